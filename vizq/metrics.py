@@ -1,0 +1,80 @@
+"""Error metrics between a tensor and its quantized version, plain and task-aware.
+
+Task-aware errors measure what the next operation sees: for attention probabilities the
+attention output P·V, for post-LayerNorm / post-GELU activations the next Linear's output.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+Tensor = torch.Tensor
+_EPS = 1e-12
+
+
+def mse(x: Tensor, xq: Tensor) -> float:
+    return float((x.float() - xq.float()).pow(2).mean())
+
+
+def sqnr_db(x: Tensor, xq: Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB (inf when exact)."""
+    noise = float((x.float() - xq.float()).pow(2).sum())
+    signal = float(x.float().pow(2).sum())
+    if noise == 0:
+        return math.inf
+    return 10 * math.log10(max(signal, _EPS) / noise)
+
+
+def cosine(x: Tensor, xq: Tensor) -> float:
+    a, b = x.float().flatten(), xq.float().flatten()
+    den = float(a.norm() * b.norm())
+    return float(a @ b) / den if den > 0 else (1.0 if torch.equal(a, b) else 0.0)
+
+
+def max_abs_error(x: Tensor, xq: Tensor) -> float:
+    return float((x.float() - xq.float()).abs().max())
+
+
+def kl_rows(p: Tensor, pq: Tensor) -> float:
+    """Mean KL(p ‖ p̂) over the last-dim rows of probability tensors.
+
+    Quantized rows no longer sum to 1 and may hold zeros, so both are renormalised and the
+    quantized one is floored at 1e-12 (a zeroed probability costs a large but finite penalty).
+    """
+    p = p.float().clamp_min(0)
+    q = pq.float().clamp_min(0)
+    p = p / p.sum(-1, keepdim=True).clamp_min(_EPS)
+    q = q / q.sum(-1, keepdim=True).clamp_min(_EPS)
+    kl = torch.where(p > 0, p * (torch.log(p.clamp_min(_EPS)) - torch.log(q.clamp_min(_EPS))), torch.zeros_like(p))
+    return float(kl.sum(-1).mean())
+
+
+def relative_error(ref: Tensor, approx: Tensor) -> float:
+    """‖ref - approx‖ / ‖ref‖."""
+    den = float(ref.float().norm())
+    return float((ref.float() - approx.float()).norm()) / max(den, _EPS)
+
+
+def attention_output_error(p: Tensor, pq: Tensor, v: Tensor) -> float:
+    """‖P·V − P̂·V‖ / ‖P·V‖ for attention probabilities [..., N, N] and values [..., N, D]."""
+    return relative_error(p.float() @ v.float(), pq.float() @ v.float())
+
+
+def linear_output_error(x: Tensor, xq: Tensor, weight: Tensor) -> float:
+    """‖X·Wᵀ − X̂·Wᵀ‖ / ‖X·Wᵀ‖ for the Linear that consumes X (bias cancels out)."""
+    w = weight.float()
+    return relative_error(x.float() @ w.T, xq.float() @ w.T)
+
+
+def tensor_metrics(x: Tensor, xq: Tensor, probabilities: bool = False) -> dict[str, float]:
+    """All plain metrics; KL only where rows are probabilities."""
+    out = {
+        "mse": mse(x, xq),
+        "sqnr_db": sqnr_db(x, xq),
+        "cosine": cosine(x, xq),
+        "max_abs_error": max_abs_error(x, xq),
+    }
+    if probabilities:
+        out["kl"] = kl_rows(x, xq)
+    return out
