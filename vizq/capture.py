@@ -1,0 +1,352 @@
+"""Hook into a model's sites and stream statistics over any number of images.
+
+``site_hooks`` installs forward hooks and always removes them. ``capture_activations`` runs
+images through the model and feeds each site's tensor to its accumulators:
+
+- every activation site: overall moments, max |x| and where it sits (token, channel), and a
+  reservoir of whole images' tensors (the quantizer lab works on these);
+- ``post_ln`` (and ``residual``): per-channel min/max/mean/std; percentiles from the reservoir;
+- ``post_softmax``: log2-binned histograms per head, split by key token (to CLS vs to
+  patches), and the attention mass each key token receives (sink detection);
+- everything else: a linear histogram whose range doubles as needed.
+
+Memory is bounded by the reservoir size, whatever the number of images.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from . import atomic
+from .data import ImageSet, iterate_batches
+from .sites import Site
+from .stats import LOG_BINS, ImageReservoir, LinearHistogram, Moments, log2_bin_edges, log2_histogram
+
+FORMAT_VERSION = 1
+PERCENTILES = (0.1, 1.0, 99.0, 99.9)
+Progress = Callable[[int, int, str], None]
+
+
+class Cancelled(RuntimeError):
+    """Raised when a run is cancelled; nothing partial is written."""
+
+
+# ---------------------------------------------------------------- hooks
+def _module(model: nn.Module, path: str) -> nn.Module:
+    return model.get_submodule(path) if path else model
+
+
+@contextmanager
+def site_hooks(model: nn.Module, sites: Iterable[Site], fn: Callable[[Site, torch.Tensor], Any]) -> Iterator[None]:
+    """Call ``fn(site, tensor)`` whenever a site's tensor is produced; hooks always removed.
+
+    If ``fn`` returns a tensor, it replaces the site's tensor (how the PTQ engine quantizes).
+    """
+    handles = []
+    try:
+        for s in sites:
+            m = _module(model, s.module)
+            if s.port == "output":
+                def out_hook(mod, args, out, s=s):  # noqa: ANN001 - torch hook signature
+                    r = fn(s, out)
+                    return r if torch.is_tensor(r) else None
+
+                handles.append(m.register_forward_hook(out_hook))
+            elif s.port == "input":
+                def in_hook(mod, args, s=s):  # noqa: ANN001
+                    r = fn(s, args[0])
+                    return (r, *args[1:]) if torch.is_tensor(r) else None
+
+                handles.append(m.register_forward_pre_hook(in_hook))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def hook_count(model: nn.Module) -> int:
+    """Forward hooks currently installed anywhere in ``model`` (tests check it returns to 0)."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+# ---------------------------------------------------------------- per-site accumulation
+@dataclass
+class SiteStats:
+    site: Site
+    moments: Moments
+    channel: Moments | None = None
+    hist: LinearHistogram | None = None
+    log_hist: torch.Tensor | None = None  # [heads, 2 (to CLS, to patches), LOG_BINS+1]
+    key_mass: torch.Tensor | None = None  # [N] summed over queries, heads and images
+    key_mass_images: int = 0
+    absmax: float = 0.0
+    absmax_where: dict[str, Any] = field(default_factory=dict)
+    reservoir: list[torch.Tensor | None] = field(default_factory=list)  # whole-image tensors
+
+    def sample(self) -> torch.Tensor:
+        """The reservoir's images concatenated on dim 0 (what the quantizer lab uses)."""
+        kept = [t for t in self.reservoir if t is not None]
+        if not kept:
+            raise ValueError(f"no tensors were kept for {self.site.name}")
+        return torch.cat(kept, 0)
+
+    def percentiles(self) -> dict[float, torch.Tensor]:
+        """Per-channel percentiles of the reservoir's values (exact when all images were kept)."""
+        x = self.sample().reshape(-1, self.sample().shape[-1]).double()
+        q = torch.tensor([p / 100 for p in PERCENTILES], dtype=torch.float64)
+        vals = torch.quantile(x, q, dim=0)
+        return {p: vals[i] for i, p in enumerate(PERCENTILES)}
+
+
+def _update(st: SiteStats, x: torch.Tensor, prefix_tokens: int) -> None:
+    x = x.detach().float()
+    st.moments.update(x)
+    if st.channel is not None:
+        st.channel.update(x)
+    a = x.abs()
+    m = float(a.max())
+    if m > st.absmax:
+        st.absmax = m
+        flat = int(a.argmax())
+        idx = list(torch.unravel_index(torch.tensor(flat), a.shape))
+        st.absmax_where = {"channel": int(idx[-1]), "token": int(idx[-2]) if x.dim() >= 3 else -1, "value": float(x.flatten()[flat])}
+    if st.site.kind == "post_softmax":
+        b, h, n, _ = x.shape
+        key_is_cls = torch.zeros(n, dtype=torch.long)
+        if prefix_tokens:
+            key_is_cls[:prefix_tokens] = 0
+            key_is_cls[prefix_tokens:] = 1
+        else:
+            key_is_cls[:] = 1
+        groups = torch.arange(h).view(1, h, 1, 1) * 2 + key_is_cls.view(1, 1, 1, n)
+        hist = log2_histogram(x, groups.expand_as(x), 2 * h).reshape(h, 2, LOG_BINS + 1)
+        st.log_hist = hist if st.log_hist is None else st.log_hist + hist
+        mass = x.double().sum(dim=(1, 2))  # [B, N] summed over heads and queries
+        st.key_mass = mass.sum(0) if st.key_mass is None else st.key_mass + mass.sum(0)
+        st.key_mass_images += b * h
+    elif st.hist is not None:
+        st.hist.update(x)
+
+
+def _new_stats(site: Site, x: torch.Tensor) -> SiteStats:
+    per_channel = site.kind in ("post_ln", "residual")
+    return SiteStats(
+        site=site,
+        moments=Moments(),
+        channel=Moments(x.shape[-1]) if per_channel else None,
+        hist=None if site.kind == "post_softmax" else LinearHistogram(),
+    )
+
+
+# ---------------------------------------------------------------- capture
+@dataclass
+class Capture:
+    """Everything captured for one model and image set; saved to and loaded from one file."""
+
+    model_id: str
+    weights_sha256: str
+    image_ids: list[str]
+    stats: dict[str, SiteStats]
+    num_prefix_tokens: int = 1
+    seconds: float = 0.0
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def num_images(self) -> int:
+        return len(self.image_ids)
+
+    def site(self, name: str) -> SiteStats:
+        if name not in self.stats:
+            raise KeyError(f"site {name!r} was not captured; captured sites: {', '.join(list(self.stats)[:8])} …")
+        return self.stats[name]
+
+    def save(self, path: str | Path) -> None:
+        atomic_torch_save(self.to_state(), path)
+
+    def to_state(self) -> dict[str, Any]:
+        sites = {}
+        for name, st in self.stats.items():
+            s = st.site
+            sites[name] = {
+                "site": {"name": s.name, "kind": s.kind, "module": s.module, "port": s.port,
+                         "consumers": list(s.consumers), "block": -1 if s.block is None else s.block},
+                "moments": st.moments.state(),
+                "channel": st.channel.state() if st.channel else None,
+                "hist": st.hist.state() if st.hist else None,
+                "log_hist": st.log_hist,
+                "key_mass": st.key_mass,
+                "key_mass_images": st.key_mass_images,
+                "absmax": st.absmax,
+                "absmax_where": st.absmax_where,
+                "reservoir": [t for t in st.reservoir if t is not None],
+            }
+        return {"format": "vizq-capture", "version": FORMAT_VERSION, "model_id": self.model_id,
+                "weights_sha256": self.weights_sha256, "image_ids": self.image_ids, "sites": sites,
+                "num_prefix_tokens": self.num_prefix_tokens, "seconds": self.seconds, "skipped": self.skipped}
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Capture":
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"capture file {str(p)!r} does not exist; create it with `python -m vizq capture`")
+        try:
+            d = torch.load(str(p), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"{p.name} is not a readable vizq capture: {e}") from e
+        if not isinstance(d, dict) or d.get("format") != "vizq-capture":
+            raise ValueError(f"{p.name} is not a vizq capture file")
+        if d["version"] > FORMAT_VERSION:
+            raise ValueError(f"{p.name} was written by a newer vizq (format {d['version']}); upgrade vizq")
+        return cls.from_state(d)
+
+    @classmethod
+    def from_state(cls, d: dict[str, Any]) -> "Capture":
+        stats = {}
+        for name, s in d["sites"].items():
+            si = s["site"]
+            site = Site(si["name"], si["kind"], si["module"], si["port"], tuple(si["consumers"]),
+                        None if si["block"] < 0 else si["block"])
+            stats[name] = SiteStats(
+                site=site,
+                moments=Moments.from_state(s["moments"]),
+                channel=Moments.from_state(s["channel"]) if s["channel"] else None,
+                hist=LinearHistogram.from_state(s["hist"]) if s["hist"] else None,
+                log_hist=s["log_hist"], key_mass=s["key_mass"], key_mass_images=s["key_mass_images"],
+                absmax=s["absmax"], absmax_where=s["absmax_where"], reservoir=list(s["reservoir"]),
+            )
+        return cls(d["model_id"], d["weights_sha256"], d["image_ids"], stats, d["num_prefix_tokens"], d["seconds"], d["skipped"])
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> None:
+    with atomic.atomic_path(path) as tmp:
+        torch.save(obj, str(tmp))
+
+
+@torch.no_grad()
+def capture_activations(
+    loaded: Any,
+    images: ImageSet,
+    indices: Sequence[int] | None = None,
+    sites: Sequence[Site] | None = None,
+    batch_size: int = 32,
+    reservoir_images: int = 8,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    progress: Progress | None = None,
+    cancel: Callable[[], bool] | None = None,
+) -> Capture:
+    """Stream ``images`` through ``loaded.model`` and accumulate statistics for ``sites``.
+
+    ``loaded`` is a :class:`vizq.models.LoadedModel`. The model's outputs are unchanged (hooks
+    only read). ``cancel()`` returning True stops the run with :class:`Cancelled`.
+    """
+    model = loaded.model
+    sites = [s for s in (sites if sites is not None else loaded.sites) if s.is_activation]
+    if not sites:
+        raise ValueError("no activation sites selected; check the --sites glob or kinds")
+    indices = list(range(len(images))) if indices is None else list(indices)
+    if not indices:
+        raise ValueError("no images to capture; pass at least one image")
+    stats: dict[str, SiteStats] = {}
+    res = ImageReservoir(reservoir_images, seed)
+    slots: list[tuple[int, int]] = []
+    prefix = loaded.info.num_prefix_tokens
+    ids: list[str] = []
+    batch_n = 0
+
+    def on_tensor(site: Site, x: torch.Tensor) -> None:
+        x = x.detach().cpu()
+        st = stats.get(site.name)
+        if st is None:
+            st = stats[site.name] = _new_stats(site, x)
+            st.reservoir = [None] * reservoir_images
+        _update(st, x, prefix)
+        per_image = x.shape[0] // batch_n if batch_n else 0  # Swin windows: several rows per image
+        for i, slot in slots:
+            st.reservoir[slot] = x[i * per_image : (i + 1) * per_image].clone()
+
+    model.to(device)
+    t0 = time.time()
+    total = len(indices)
+    with site_hooks(model, sites, on_tensor):
+        for xb, _, bid in iterate_batches(images, indices, loaded.transform, batch_size, loaded.info.input_size[0]):
+            if cancel and cancel():
+                raise Cancelled("capture cancelled; nothing was written")
+            batch_n = xb.shape[0]
+            slots = res.slots(batch_n)
+            model(xb.to(device))
+            ids.extend(bid)
+            if progress:
+                done = len(ids) + len(images.skipped)
+                eta = (time.time() - t0) / max(done, 1) * (total - done)
+                progress(done, total, f"{done}/{total} images, ETA {eta:.0f}s")
+    if not ids:
+        raise ValueError(f"none of the {total} images could be read; see the skipped files")
+    return Capture(loaded.info.model_id, loaded.info.weights_sha256, ids, stats, prefix, time.time() - t0, list(images.skipped))
+
+
+
+
+
+# ---------------------------------------------------------------- derived views
+def channel_variation(st: SiteStats) -> float:
+    """Inter-channel variation: max / median of per-channel ranges (max - min)."""
+    if st.channel is None:
+        raise ValueError(f"{st.site.name} has no per-channel statistics")
+    rng = (st.channel.max - st.channel.min).float()
+    return float(rng.max() / rng.median().clamp_min(1e-12))
+
+
+def powerlaw_tail(st: SiteStats, lo: float = 2.0**-12, hi: float = 0.5) -> dict[str, float]:
+    """Fit log CCDF = -α·log x + c on the log2-binned histogram between ``lo`` and ``hi``.
+
+    Returns α (the tail exponent; larger = lighter tail), the fraction of probabilities above
+    0.5 and above 0.1 (bin-exact at 0.5; 0.1 falls in the [1/16, 1/8) bin, counted from 1/8).
+    """
+    if st.log_hist is None:
+        raise ValueError(f"{st.site.name} is not a post-Softmax site")
+    counts = st.log_hist.sum(dim=(0, 1))  # [LOG_BINS+1]
+    total = float(counts.sum())
+    edges = log2_bin_edges()  # lower edge of bin i (i>=1) is edges[i-1]
+    ccdf = torch.flip(torch.cumsum(torch.flip(counts[1:], [0]), 0), [0]) / total  # P(X >= lower edge i)
+    x = edges[:-1]
+    mask = (x >= lo) & (x <= hi) & (ccdf > 0)
+    if mask.sum() < 2:
+        return {"alpha": float("nan"), "frac_above_0.5": float(counts[-1] / total), "frac_above_0.125": float(counts[-3:].sum() / total)}
+    lx, ly = torch.log10(x[mask]), torch.log10(ccdf[mask])
+    slope = float(((lx - lx.mean()) * (ly - ly.mean())).sum() / ((lx - lx.mean()) ** 2).sum())
+    return {"alpha": -slope, "frac_above_0.5": float(counts[-1] / total), "frac_above_0.125": float(counts[-3:].sum() / total)}
+
+
+def key_mass(st: SiteStats) -> torch.Tensor:
+    """Mean attention mass each key token receives per query (1/N when uniform)."""
+    if st.key_mass is None:
+        raise ValueError(f"{st.site.name} is not a post-Softmax site")
+    n = st.key_mass.shape[0]
+    return st.key_mass / max(st.key_mass_images * n, 1)
+
+
+def summary_rows(cap: Capture) -> list[dict[str, Any]]:
+    """One row per site: kind, min, max, mean, std, and the view that matters for its kind."""
+    rows = []
+    for name, st in cap.stats.items():
+        m = st.moments
+        row = {"site": name, "kind": st.site.kind, "min": float(m.min), "max": float(m.max),
+               "mean": float(m.mean), "std": float(m.std), "absmax": st.absmax}
+        if st.channel is not None:
+            row["channel_variation"] = channel_variation(st)
+        if st.site.kind == "post_softmax":
+            t = powerlaw_tail(st)
+            row["tail_alpha"] = t["alpha"]
+            row["frac_p>0.5"] = t["frac_above_0.5"]
+            km = key_mass(st)
+            row["sink_token"] = int(km.argmax())
+            row["sink_mass"] = float(km.max())
+        rows.append(row)
+    return rows
