@@ -18,6 +18,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file ordinary permissions
     try:
         yield Path(tmp)
         os.replace(tmp, p)

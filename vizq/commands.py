@@ -90,3 +90,160 @@ def cmd_train_default(a: argparse.Namespace) -> int:
     card = bundled.train(epochs=a.epochs, seed=a.seed, progress=bar)
     print(f"held-out top-1 {card['heldout_top1']}% after {card['train_seconds']}s; wrote {bundled.WEIGHTS}")
     return 0
+
+
+def _compare_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--site", required=True, help="site name, e.g. blocks.2.attn.softmax (see `vizq sites`)")
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--quantizers", default="uniform,log2,logsqrt2,adalog,tanq,sulq",
+                   help="comma-separated; options as name:key=value, e.g. uniform:granularity=channel")
+    p.add_argument("--data", default="bundled")
+    p.add_argument("--images", type=int, default=8, help="images captured for the comparison")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+
+
+@command("compare", "compare quantizers on one site's captured tensor (errors, task-aware errors, time)", _compare_args)
+def cmd_compare(a: argparse.Namespace) -> int:
+    from .capture import capture_activations
+    from .data import pick, resolve_images
+    from .lab import compare, lab_input, parse_quantizer
+    from .quant import quantizer_class
+    from .quant.registry import default_bits
+    from .sites import find_site
+
+    lm = load_from_args(a)
+    site = find_site(lm.sites, a.site)
+    if not site.is_activation:
+        raise ValueError(f"{a.site} is a weight; compare works on activation sites")
+    wanted = [site]
+    vname = site.name.rsplit(".", 1)[0] + ".v"
+    if site.kind == "post_softmax":
+        wanted.append(find_site(lm.sites, vname))
+    images = resolve_images(lm, a.data, "eval")
+    cap = capture_activations(lm, images, pick(len(images), a.images, a.seed), wanted, batch_size=a.batch_size,
+                              reservoir_images=a.images, seed=a.seed)
+    inp = lab_input(cap, site.name, lm.model)
+    choices = []
+    for text in a.quantizers.split(","):
+        name, opts = parse_quantizer(text)
+        cls = quantizer_class(name)
+        lo, hi = cls.bit_range
+        choices.append((name, a.bits if lo <= a.bits <= hi else default_bits(cls), opts))
+    rows = compare(inp, choices)
+    print(f"site {site.name} ({site.kind}), tensor {tuple(inp.x.shape)} from {cap.num_images} images")
+    print_table(rows)
+    write_json_out(a.json, {"site": site.name, "kind": site.kind, "shape": list(inp.x.shape), "rows": rows})
+    return 0
+
+
+def _ptq_args(p: argparse.ArgumentParser) -> None:
+    from .ptq.presets import PRESETS
+
+    add_model_args(p)
+    p.add_argument("--method", default="repq", choices=list(PRESETS))
+    p.add_argument("--wbits", type=int, default=4)
+    p.add_argument("--abits", type=int, default=4)
+    p.add_argument("--calib", type=int, default=32, help="calibration images (seeded)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default="bundled", help="'bundled' or an image folder (ImageFolder / flat)")
+    p.add_argument("--config", default=None, help="a QuantConfig JSON/YAML, or an export folder to reuse")
+    p.add_argument("--override", action="append", default=[],
+                   help="SITE_GLOB_OR_KIND=QUANTIZER[:bits=N][:key=value] (repeatable)")
+
+
+def config_from_args(a: argparse.Namespace):  # noqa: ANN201
+    from .lab import parse_quantizer
+    from .ptq.config import QuantConfig
+
+    if a.config:
+        return QuantConfig.load(a.config)
+    overrides = {}
+    for text in a.override:
+        if "=" not in text:
+            raise ValueError(f"--override {text!r} must look like SITE_OR_KIND=QUANTIZER[:bits=N]")
+        key, rhs = text.split("=", 1)
+        name, opts = parse_quantizer(rhs)
+        rule = {"quantizer": name}
+        if "bits" in opts:
+            rule["bits"] = opts.pop("bits")
+        if opts:
+            rule["options"] = opts
+        overrides[key] = rule
+    return QuantConfig(method=a.method, wbits=a.wbits, abits=a.abits, overrides=overrides,
+                       calibration={"images": a.calib, "seed": a.seed, "batch_size": a.batch_size})
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    _ptq_args(p)
+    p.add_argument("--images", type=int, default=1000, help="evaluation images")
+    p.add_argument("--json", default=None)
+
+
+@command("eval", "calibrate a method and evaluate it against full precision", _eval_args)
+def cmd_eval(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .cli import resolve_device
+    from .ptq.evaluate import run_eval
+    from .ptq.export import load_export
+
+    lm = load_from_args(a)
+    cfg = config_from_args(a)
+    qm = load_export(a.config, lm) if a.config and Path(a.config).is_dir() else None
+    res, _ = run_eval(lm, cfg, a.data, a.images, str(resolve_device(a.device)), a.batch_size,
+                      progress=ProgressBar("eval"), qmodel=qm)
+    d = res.to_dict()
+    keys = ["model", "method", "wbits", "abits", "calib_images", "eval_images", "fp_top1", "q_top1", "fp_top5",
+            "q_top5", "agreement", "kl", "seconds_calibrate", "seconds_eval"]
+    print_table([{k: d[k] for k in keys}])
+    worst = sorted(d["site_sqnr_db"].items(), key=lambda kv: kv[1])[:5]
+    if worst:
+        print("lowest site SQNR (dB): " + ", ".join(f"{k} {v:.1f}" for k, v in worst))
+    write_json_out(a.json, d)
+    return 0
+
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    _ptq_args(p)
+    p.add_argument("--out", required=True, help="output folder (written atomically)")
+
+
+@command("export", "calibrate and write config, parameters, manifest and AIMET encodings", _export_args)
+def cmd_export(a: argparse.Namespace) -> int:
+    from .cli import resolve_device
+    from .ptq.engine import QuantizedModel
+    from .ptq.evaluate import calibration_batch
+    from .ptq.export import export
+
+    lm = load_from_args(a)
+    cfg = config_from_args(a)
+    calib, ids = calibration_batch(lm, cfg, a.data)
+    dev = resolve_device(a.device)
+    lm.model.to(dev)
+    qm = QuantizedModel(lm, cfg).calibrate(calib.to(dev), progress=ProgressBar("calibrate"))
+    export(qm, a.out, ids)
+    print(f"wrote {a.out}: config.json, quant_params.json, params.safetensors, manifest.json, aimet_encodings.json")
+    return 0
+
+
+def _sens_args(p: argparse.ArgumentParser) -> None:
+    _ptq_args(p)
+    p.add_argument("--images", type=int, default=200, help="evaluation images per variant")
+    p.add_argument("--by", default="kind", choices=["kind", "block"])
+    p.add_argument("--mode", default="only", choices=["only", "all_but"])
+    p.add_argument("--json", default=None)
+
+
+@command("sensitivity", "quantize one site kind / block at a time and rank what is lost", _sens_args)
+def cmd_sensitivity(a: argparse.Namespace) -> int:
+    from .cli import resolve_device
+    from .ptq.evaluate import sensitivity
+
+    lm = load_from_args(a)
+    rows = sensitivity(lm, config_from_args(a), a.data, a.images, a.by, a.mode, str(resolve_device(a.device)),
+                       progress=ProgressBar("sensitivity"))
+    print_table(rows)
+    write_json_out(a.json, rows)
+    return 0

@@ -21,6 +21,7 @@ GRANULARITY_AXES: dict[str, int | None] = {
     "channel": -1,  # last dim: features of a token
     "token": -2,  # one parameter set per token position
     "head": 1,  # attention heads of a [B, H, N, N] or [B, H, N, D] tensor
+    "out_channel": 0,  # weights: one parameter set per output channel (row of W)
 }
 
 #: Searches look at most this many values per group: enough for stable error estimates,

@@ -1,0 +1,153 @@
+"""``QuantConfig``: what to quantize and how, as a versioned dataclass with an exact
+JSON/YAML round trip. Invalid configs are rejected with the offending key named."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..sites import KINDS
+
+CONFIG_VERSION = 1
+RULE_KEYS = {"quantizer", "bits", "options", "enabled"}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the key."""
+
+
+@dataclass
+class CalibrationConfig:
+    images: int = 32
+    seed: int = 0
+    batch_size: int = 32
+
+    def validate(self) -> None:
+        for key in ("images", "batch_size"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"calibration.{key} must be a positive integer, got {v!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError(f"calibration.seed must be an integer, got {self.seed!r}")
+
+
+@dataclass
+class QuantConfig:
+    """A method preset, bit widths, per-site overrides and calibration settings.
+
+    ``overrides`` keys are a site kind (``post_softmax``), a glob over site names
+    (``blocks.*.attn.softmax``) or an exact name; values hold any of ``quantizer``, ``bits``,
+    ``options``, ``enabled``. Kind keys apply first, then globs in order (later wins).
+    """
+
+    method: str = "minmax"
+    wbits: int = 4
+    abits: int = 4
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    reparam: str | None = None  # None: the preset decides; "none", "mean" or "median" to force
+    recon_iters: int = 0
+    version: int = CONFIG_VERSION
+
+    def __post_init__(self) -> None:
+        if isinstance(self.calibration, dict):
+            unknown = set(self.calibration) - {"images", "seed", "batch_size"}
+            if unknown:
+                raise ConfigError(f"unknown key(s) calibration.{sorted(unknown)[0]}; allowed: images, seed, batch_size")
+            self.calibration = CalibrationConfig(**self.calibration)
+        self.validate()
+
+    def validate(self) -> None:
+        from .presets import PRESETS
+
+        if self.version > CONFIG_VERSION:
+            raise ConfigError(f"version {self.version} is newer than this vizq understands ({CONFIG_VERSION}); upgrade vizq")
+        if self.method not in PRESETS:
+            raise ConfigError(f"method {self.method!r} is unknown; choose one of {', '.join(PRESETS)}")
+        for key in ("wbits", "abits"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or not 2 <= v <= 16:
+                raise ConfigError(f"{key} must be an integer from 2 to 16, got {v!r}")
+        if self.reparam not in (None, "none", "mean", "median"):
+            raise ConfigError(f"reparam must be none, mean or median, got {self.reparam!r}")
+        if not isinstance(self.recon_iters, int) or self.recon_iters < 0:
+            raise ConfigError(f"recon_iters must be a non-negative integer, got {self.recon_iters!r}")
+        if not isinstance(self.overrides, dict):
+            raise ConfigError("overrides must be a mapping of site glob or kind to settings")
+        from ..quant import list_quantizers, quantizer_class
+
+        for key, rule in self.overrides.items():
+            if not isinstance(rule, dict):
+                raise ConfigError(f"overrides[{key!r}] must be a mapping, got {type(rule).__name__}")
+            bad = set(rule) - RULE_KEYS
+            if bad:
+                raise ConfigError(f"overrides[{key!r}] has unknown key {sorted(bad)[0]!r}; allowed: {sorted(RULE_KEYS)}")
+            q = rule.get("quantizer")
+            if q is not None and q not in list_quantizers():
+                raise ConfigError(f"overrides[{key!r}].quantizer {q!r} is unknown; choose one of {', '.join(list_quantizers())}")
+            bits = rule.get("bits")
+            if bits is not None:
+                lo, hi = quantizer_class(q).bit_range if q else (2, 16)
+                if not isinstance(bits, int) or not lo <= bits <= hi:
+                    raise ConfigError(f"overrides[{key!r}].bits={bits!r} is out of range {lo}..{hi}")
+            if "options" in rule and not isinstance(rule["options"], dict):
+                raise ConfigError(f"overrides[{key!r}].options must be a mapping")
+            if "enabled" in rule and not isinstance(rule["enabled"], bool):
+                raise ConfigError(f"overrides[{key!r}].enabled must be true or false")
+        self.calibration.validate()
+
+    # ---------------------------------------------------------------- (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "QuantConfig":
+        if not isinstance(d, dict):
+            raise ConfigError("a configuration must be a mapping")
+        allowed = {f for f in cls.__dataclass_fields__}
+        unknown = set(d) - allowed
+        if unknown:
+            raise ConfigError(f"unknown key {sorted(unknown)[0]!r}; allowed keys: {', '.join(sorted(allowed))}")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ConfigError(str(e)) from e
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_text(cls, text: str) -> "QuantConfig":
+        """Parse JSON or YAML (YAML is a superset; ``yaml.safe_load``)."""
+        try:
+            d = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"not valid JSON/YAML: {e}") from e
+        if isinstance(d, dict) and "config" in d and "method" not in d:
+            d = d["config"]  # an export's config.json wraps nothing, but accept {"config": …}
+        return cls.from_dict(d)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "QuantConfig":
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise ConfigError(f"configuration file {str(p)!r} does not exist")
+        return cls.from_text(p.read_text())
+
+    def save(self, path: str | Path) -> None:
+        from .. import atomic
+
+        text = self.to_yaml() if str(path).endswith((".yaml", ".yml")) else self.to_json()
+        atomic.write_text(path, text)
+
+
+def is_kind_key(key: str) -> bool:
+    return key in KINDS

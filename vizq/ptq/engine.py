@@ -1,0 +1,218 @@
+"""Build a fake-quantized copy of a model from a QuantConfig and calibrate it.
+
+The copy's weights are replaced by their fake-quantized values once (so evaluation runs at
+nearly full-precision speed); activations are fake-quantized by hooks on the copy's sites.
+The original model is never modified.
+
+Calibration (RepQ-ViT's procedure): weights are quantized; one forward pass over the
+calibration batch calibrates every activation quantizer in network order, each seeing
+quantized upstream tensors; post-LN per-channel quantizers are folded into LayerNorm and the
+next Linear (reparameterization); weight quantizers are recalibrated on the folded weights.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..capture import Cancelled, site_hooks
+from ..quant import Quantizer, get_quantizer
+from ..sites import Site
+from .config import ConfigError, QuantConfig
+from .presets import OUTPUT_SCORED, PRESETS, Spec, plan, reparam_mode
+from .reparam import Fold, apply_fold, fold_factors
+
+Progress = Callable[[int, int, str], None]
+SCORE_IMAGES = 8  # output-scored searches look at this many images of the batch
+
+
+class ActQuant:
+    """An activation quantizer plus AdaLog-style shift: x̂ = Q(x + η) − η (bias folding)."""
+
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
+        self.q: Quantizer = get_quantizer(spec.quantizer, spec.bits, **spec.options)
+        self.shift = spec.shift
+
+    def calibrate(self, x: torch.Tensor, score: Callable | None = None) -> None:
+        self.q.calibrate(x + self.shift if self.shift else x, score=score)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shift:
+            return self.q.fake_quant(x + self.shift) - self.shift
+        return self.q.fake_quant(x)
+
+
+class QuantizedModel(nn.Module):
+    """A fake-quantized copy of ``loaded.model`` following ``config``."""
+
+    def __init__(self, loaded: Any, config: QuantConfig) -> None:
+        super().__init__()
+        if config.recon_iters:
+            raise ConfigError("recon_iters: block reconstruction is not available in this version; set it to 0")
+        self.model = copy.deepcopy(loaded.model)
+        self.info = loaded.info
+        self.config = config
+        self.sites: list[Site] = list(loaded.sites)
+        self.specs = plan(config, self.sites)
+        self.acts: dict[str, ActQuant] = {}
+        self.weights: dict[str, Quantizer] = {}  # module path -> weight quantizer
+        self.fp_weights: dict[str, torch.Tensor] = {}  # module path -> float weight (after folding)
+        self.folds: dict[str, Fold] = {}
+        self.calibrated = False
+        self._stash: dict[str, torch.Tensor] = {}
+        self._score_on = config.method in OUTPUT_SCORED
+        for s in self.sites:
+            spec = self.specs.get(s.name)
+            if spec is None:
+                continue
+            if s.kind == "weight":
+                self.weights[s.module] = get_quantizer(spec.quantizer, spec.bits, **spec.options)
+                self.fp_weights[s.module] = self.model.get_submodule(s.module).weight.detach().clone()
+            else:
+                self.acts[s.name] = ActQuant(spec)
+        self._hook_ctx = site_hooks(self.model, [s for s in self.sites if s.name in self.acts or s.kind == "v"], self._on_tensor)
+        self._hook_ctx.__enter__()
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def remove_hooks(self) -> None:
+        """Detach the quantization hooks (the copy then runs with quantized weights only)."""
+        if self._hook_ctx is not None:
+            self._hook_ctx.__exit__(None, None, None)
+            self._hook_ctx = None
+
+    def __del__(self) -> None:  # noqa: D105 - hooks live on our own copy; drop them with it
+        try:
+            self.remove_hooks()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _on_tensor(self, site: Site, x: torch.Tensor) -> torch.Tensor | None:
+        aq = self.acts.get(site.name)
+        if aq is None:
+            if site.kind == "v":
+                self._stash[site.name] = x
+            return None
+        if not aq.q.calibrated:
+            score = self._score_for(site, x) if self._score_on else None
+            aq.calibrate(x[:SCORE_IMAGES] if score else x, score=score)
+        out = aq(x)
+        if site.kind == "v":
+            self._stash[site.name] = out
+        return out
+
+    def _score_for(self, site: Site, x: torch.Tensor) -> Callable | None:
+        """Score searches by the error of the operation the tensor feeds (AdaLog's FPCS)."""
+        if site.kind not in OUTPUT_SCORED.get(self.config.method, ()):
+            return None
+        xs = x[:SCORE_IMAGES]
+        if site.kind == "post_softmax":
+            v = self._stash.get(site.name.rsplit(".", 1)[0] + ".v")
+            if v is None:
+                return None
+            v = v[: xs.shape[0]]
+
+            def attn_score(xq: torch.Tensor, xg: torch.Tensor) -> torch.Tensor:
+                k = xq.shape[0]
+                d = (xq - xg).reshape(k, *xs.shape) @ v
+                return d.pow(2).flatten(1).mean(1, keepdim=True)
+
+            return attn_score
+        w = self.model.get_submodule(site.consumers[0]).weight.detach()
+
+        def linear_score(xq: torch.Tensor, xg: torch.Tensor) -> torch.Tensor:
+            k = xq.shape[0]
+            d = (xq - xg).reshape(k, -1, xs.shape[-1]) @ w.T
+            return d.pow(2).flatten(1).mean(1, keepdim=True)
+
+        return linear_score
+
+    # ---------------------------------------------------------------- calibration
+    @torch.no_grad()
+    def calibrate(self, images: torch.Tensor, progress: Progress | None = None,
+                  cancel: Callable[[], bool] | None = None) -> "QuantizedModel":
+        """Run the calibration procedure on one batch of images (N, C, H, W)."""
+        steps = 4
+        self._step(progress, cancel, 0, steps, "quantizing weights")
+        self._quantize_weights()
+        self._step(progress, cancel, 1, steps, f"pass 1: calibrating {len(self.acts)} activation quantizers")
+        for aq in self.acts.values():
+            aq.q.state = {}
+        self.model(images)
+        mode = reparam_mode(self.config)
+        self._step(progress, cancel, 2, steps, f"reparameterizing post-LN ({mode})")
+        if mode != "none":
+            self._reparameterize(mode)
+        self._step(progress, cancel, 3, steps, "pass 2: recalibrating weights")
+        self._quantize_weights()
+        self._stash.clear()
+        self.calibrated = True
+        self._step(progress, cancel, 4, steps, "calibrated")
+        return self
+
+    @staticmethod
+    def _step(progress: Progress | None, cancel: Callable[[], bool] | None, i: int, n: int, msg: str) -> None:
+        if cancel and cancel():
+            raise Cancelled("calibration cancelled; nothing was written")
+        if progress:
+            progress(i, n, msg)
+
+    def _quantize_weights(self) -> None:
+        for path, q in self.weights.items():
+            mod = self.model.get_submodule(path)
+            w = self.fp_weights[path]
+            q.calibrate(w)
+            mod.weight.data.copy_(q.fake_quant(w))
+
+    def _reparameterize(self, mode: str) -> None:
+        for s in self.sites:
+            aq = self.acts.get(s.name)
+            if s.kind != "post_ln" or aq is None or aq.q.name != "uniform" or aq.q.axis != -1:
+                continue  # only per-channel uniform post-LN quantizers fold
+            norm = self.model.get_submodule(s.module)
+            consumers = [self.model.get_submodule(c) for c in s.consumers]
+            for c, lin in zip(s.consumers, consumers):
+                lin.weight.data.copy_(self.fp_weights[c])
+            fold = fold_factors(aq.q.state["scale"], aq.q.state["zero_point"], mode)
+            apply_fold(norm, consumers, fold)
+            for c, lin in zip(s.consumers, consumers):
+                self.fp_weights[c] = lin.weight.detach().clone()
+            self.folds[s.name] = fold
+            layer = get_quantizer("uniform", aq.q.bits, method=aq.q.options["method"])
+            layer.axis = None
+            layer.state = {"scale": torch.tensor([fold.scale], dtype=torch.float32),
+                           "zero_point": torch.tensor([fold.zero_point], dtype=torch.float32)}
+            aq.q = layer
+            aq.spec = Spec("uniform", aq.spec.bits, {"method": aq.spec.options.get("method", "minmax")}, aq.spec.shift)
+
+    # ---------------------------------------------------------------- inspection
+    def site_table(self) -> list[dict[str, Any]]:
+        """Per quantized site: quantizer, bits, granularity and a parameter summary."""
+        rows = []
+        for s in self.sites:
+            q = self.acts[s.name].q if s.name in self.acts else self.weights.get(s.module) if s.kind == "weight" else None
+            if q is None:
+                continue
+            row = {"site": s.name, "kind": s.kind, "quantizer": q.name, "bits": q.bits,
+                   "granularity": q.options.get("granularity", "block" if "block_size" in q.options else "tensor"),
+                   "folded": s.name in self.folds}
+            for k, v in q.state.items():
+                row[f"{k}_min"] = float(v.min())
+                row[f"{k}_max"] = float(v.max())
+            rows.append(row)
+        return rows
+
+
+def quantize_model(loaded: Any, config: QuantConfig, calib_images: torch.Tensor,
+                   progress: Progress | None = None, cancel: Callable[[], bool] | None = None) -> QuantizedModel:
+    """Copy, configure and calibrate in one call."""
+    return QuantizedModel(loaded, config).calibrate(calib_images, progress, cancel)
+
+
+def method_names() -> list[str]:
+    return list(PRESETS)

@@ -1,0 +1,213 @@
+"""Evaluate a quantized model against full precision in one pass, and rank sensitivity.
+
+Per batch both models run on the same images: top-1/top-5 where labels exist, label-free
+agreement (quantized top-1 == FP top-1), mean KL(FP ‖ quantized) of the output
+distributions, and per-site SQNR of the quantized model's tensors against the FP ones.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..capture import Cancelled, site_hooks
+from ..data import ImageSet, iterate_batches, pick, resolve_images, split_indices
+from .config import QuantConfig
+from .engine import QuantizedModel
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass
+class EvalResult:
+    model: str
+    method: str
+    wbits: int
+    abits: int
+    calib_images: int
+    eval_images: int
+    fp_top1: float | None
+    q_top1: float | None
+    fp_top5: float | None
+    q_top5: float | None
+    agreement: float
+    kl: float
+    seconds_calibrate: float
+    seconds_eval: float
+    site_sqnr_db: dict[str, float] = field(default_factory=dict)
+    skipped_images: int = 0
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Acc:
+    def __init__(self) -> None:
+        self.n = 0
+        self.labeled = 0
+        self.fp1 = self.q1 = self.fp5 = self.q5 = 0
+        self.agree = 0
+        self.kl = 0.0
+        self.signal: dict[str, float] = {}
+        self.noise: dict[str, float] = {}
+
+    def update(self, fp: torch.Tensor, q: torch.Tensor, y: torch.Tensor | None) -> None:
+        self.n += fp.shape[0]
+        self.agree += int((fp.argmax(-1) == q.argmax(-1)).sum())
+        lp, lq = torch.log_softmax(fp.double(), -1), torch.log_softmax(q.double(), -1)
+        self.kl += float((lp.exp() * (lp - lq)).sum())
+        if y is not None:
+            k = min(5, fp.shape[-1])
+            self.labeled += y.shape[0]
+            for logits, top1, top5 in ((fp, "fp1", "fp5"), (q, "q1", "q5")):
+                tk = logits.topk(k, -1).indices
+                setattr(self, top1, getattr(self, top1) + int((tk[:, 0] == y).sum()))
+                setattr(self, top5, getattr(self, top5) + int((tk == y[:, None]).any(-1).sum()))
+
+    def pct(self, v: int) -> float | None:
+        return 100.0 * v / self.labeled if self.labeled else None
+
+
+@torch.no_grad()
+def evaluate(loaded: Any, qmodel: QuantizedModel, images: ImageSet, indices: Sequence[int], batch_size: int = 32,
+             device: str | torch.device = "cpu", site_sqnr: bool = True, progress: Progress | None = None,
+             cancel: Callable[[], bool] | None = None, calib_images: int = 0, seconds_calibrate: float = 0.0) -> EvalResult:
+    fp_model = loaded.model.to(device)
+    qmodel.to(device)
+    acc = _Acc()
+    watch = [s for s in loaded.sites if s.is_activation and (s.name in qmodel.acts or s.kind == "residual")] if site_sqnr else []
+    fp_tensors: dict[str, torch.Tensor] = {}
+
+    def keep_fp(site: Any, x: torch.Tensor) -> None:
+        fp_tensors[site.name] = x.detach()
+
+    def compare_q(site: Any, x: torch.Tensor) -> None:
+        ref = fp_tensors.get(site.name)
+        if ref is None or ref.shape != x.shape:
+            return
+        acc.signal[site.name] = acc.signal.get(site.name, 0.0) + float(ref.double().pow(2).sum())
+        acc.noise[site.name] = acc.noise.get(site.name, 0.0) + float((ref.double() - x.double()).pow(2).sum())
+
+    t0 = time.time()
+    total = len(indices)
+    with site_hooks(fp_model, watch, keep_fp), site_hooks(qmodel.model, watch, compare_q):
+        for xb, yb, _ in iterate_batches(images, indices, loaded.transform, batch_size, loaded.info.input_size[0]):
+            if cancel and cancel():
+                raise Cancelled("evaluation cancelled; no result was written")
+            xb = xb.to(device)
+            fp_tensors.clear()
+            fp = fp_model(xb).float().cpu()
+            q = qmodel(xb).float().cpu()
+            acc.update(fp, q, yb)
+            if progress:
+                done = acc.n + len(images.skipped)
+                eta = (time.time() - t0) / max(done, 1) * (total - done)
+                progress(done, total, f"{done}/{total} images, agreement {100 * acc.agree / max(acc.n, 1):.1f}%, ETA {eta:.0f}s")
+    if acc.n == 0:
+        raise ValueError("no evaluation image could be read")
+    sqnr = {k: (math.inf if acc.noise[k] == 0 else 10 * math.log10(max(acc.signal[k], 1e-30) / acc.noise[k])) for k in acc.noise}
+    cfg = qmodel.config
+    return EvalResult(
+        model=loaded.info.model_id, method=cfg.method, wbits=cfg.wbits, abits=cfg.abits,
+        calib_images=calib_images, eval_images=acc.n,
+        fp_top1=acc.pct(acc.fp1), q_top1=acc.pct(acc.q1), fp_top5=acc.pct(acc.fp5), q_top5=acc.pct(acc.q5),
+        agreement=100.0 * acc.agree / acc.n, kl=acc.kl / acc.n,
+        seconds_calibrate=seconds_calibrate, seconds_eval=time.time() - t0,
+        site_sqnr_db=sqnr, skipped_images=len(images.skipped), config=cfg.to_dict(),
+    )
+
+
+def calibration_batch(loaded: Any, config: QuantConfig, data: str | None = None) -> tuple[torch.Tensor, list[str]]:
+    """The seeded calibration images as one tensor, and their ids (for the manifest)."""
+    cal = config.calibration
+    images = resolve_images(loaded, data, "calib")
+    if data and data != "bundled":
+        idx, _ = split_indices(len(images), cal.images, 0, cal.seed)
+    else:
+        idx = pick(len(images), cal.images, cal.seed)
+    xs, ids = [], []
+    for xb, _, bid in iterate_batches(images, idx, loaded.transform, cal.batch_size, loaded.info.input_size[0]):
+        xs.append(xb)
+        ids.extend(bid)
+    if not xs:
+        raise ValueError("no calibration image could be read")
+    return torch.cat(xs), ids
+
+
+def eval_split(loaded: Any, config: QuantConfig, data: str | None, n_eval: int, seed: int = 0) -> tuple[ImageSet, list[int]]:
+    """Evaluation images, disjoint from calibration (held-out split, or the folder's remainder)."""
+    images = resolve_images(loaded, data, "eval")
+    if data and data != "bundled":
+        _, idx = split_indices(len(images), min(config.calibration.images, len(images)), n_eval, config.calibration.seed)
+    else:
+        idx = pick(len(images), n_eval, seed)
+    return images, idx
+
+
+def run_eval(loaded: Any, config: QuantConfig, data: str | None = None, n_eval: int = 1000, device: str = "cpu",
+             batch_size: int = 64, progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
+             qmodel: QuantizedModel | None = None) -> tuple[EvalResult, QuantizedModel]:
+    """Calibrate (unless ``qmodel`` is given, e.g. reloaded from an export) and evaluate."""
+    t0 = time.time()
+    n_cal = 0
+    if qmodel is None:
+        calib, ids = calibration_batch(loaded, config, data)
+        n_cal = len(ids)
+        qmodel = QuantizedModel(loaded, config)
+        qmodel.calib_ids = ids
+        qmodel.calibrate(calib.to(device) if device != "cpu" else calib, cancel=cancel)
+    t_cal = time.time() - t0
+    images, idx = eval_split(loaded, config, data, n_eval)
+    res = evaluate(loaded, qmodel, images, idx, batch_size, device, progress=progress, cancel=cancel,
+                   calib_images=n_cal, seconds_calibrate=t_cal)
+    return res, qmodel
+
+
+def sensitivity(loaded: Any, config: QuantConfig, data: str | None = None, n_eval: int = 200, by: str = "kind",
+                mode: str = "only", device: str = "cpu", progress: Progress | None = None,
+                cancel: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
+    """Quantize one group at a time (``mode='only'``) or all but one (``'all_but'``).
+
+    Groups are site kinds (``by='kind'``) or residual blocks (``by='block'``). Returns rows
+    ranked by the metric lost against full precision (top-1 where labeled, else agreement).
+    """
+    from .presets import QUANTIZED_ACT_KINDS
+
+    if by == "kind":
+        groups = {k: [k] for k in QUANTIZED_ACT_KINDS + ("weight",) if any(s.kind == k for s in loaded.sites)}
+    elif by == "block":
+        blocks = sorted({s.block for s in loaded.sites if s.block is not None})
+        groups = {f"block {b}": [s.name for s in loaded.sites if s.block == b] for b in blocks}
+    else:
+        raise ValueError(f"sensitivity by={by!r}: use 'kind' or 'block'")
+    if mode not in ("only", "all_but"):
+        raise ValueError(f"sensitivity mode={mode!r}: use 'only' or 'all_but'")
+    all_names = [s.name for s in loaded.sites]
+    calib, _ = calibration_batch(loaded, config, data)
+    images, idx = eval_split(loaded, config, data, n_eval)
+    rows = []
+    for gi, (label, members) in enumerate(groups.items()):
+        member_set = set(members)
+        if by == "kind":
+            member_set = {s.name for s in loaded.sites if s.kind in members}
+        keep = member_set if mode == "only" else set(all_names) - member_set
+        overrides = dict(config.overrides)
+        for name in all_names:
+            if name not in keep:
+                overrides[name] = {"enabled": False}
+        cfg = QuantConfig.from_dict({**config.to_dict(), "overrides": overrides})
+        qm = QuantizedModel(loaded, cfg).calibrate(calib, cancel=cancel)
+        r = evaluate(loaded, qm, images, idx, 64, device, site_sqnr=False, cancel=cancel)
+        qm.remove_hooks()
+        metric = "top1" if r.q_top1 is not None else "agreement"
+        lost = (r.fp_top1 - r.q_top1) if r.q_top1 is not None else 100.0 - r.agreement
+        rows.append({"group": label, "mode": mode, "sites": len(member_set), "q_top1": r.q_top1,
+                     "agreement": r.agreement, "kl": r.kl, "metric": metric, "lost": lost})
+        if progress:
+            progress(gi + 1, len(groups), f"{label}: lost {lost:.2f}")
+    rows.sort(key=lambda r: -r["lost"])
+    return rows

@@ -1,0 +1,177 @@
+"""Write a calibrated configuration to a folder and load it back, bit-exactly.
+
+Folder layout (written atomically: a failed or cancelled export leaves no folder):
+- ``config.json``          the QuantConfig (reload with ``--config DIR``)
+- ``quant_params.json``    per site: quantizer, bits, granularity, options, parameter summary
+- ``params.safetensors``   every quantizer's parameters, plus the parameters folding changed
+- ``manifest.json``        model id and weights hash, calibration image ids, seed, versions
+- ``aimet_encodings.json`` uniform ranges in AIMET's encodings layout (others listed as skipped)
+"""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .. import __version__, atomic
+from ..quant import get_quantizer
+from .config import ConfigError, QuantConfig
+from .engine import QuantizedModel
+from .presets import Spec
+
+FORMAT = "vizq-export"
+FORMAT_VERSION = 1
+
+
+def _versions() -> dict[str, str]:
+    import numpy
+    import timm
+
+    return {"vizq": __version__, "torch": torch.__version__, "timm": timm.__version__, "numpy": numpy.__version__,
+            "python": platform.python_version()}
+
+
+def _granularity(q: Any) -> str:
+    return q.options.get("granularity", "block" if "block_size" in q.options else "tensor")
+
+
+def _changed_params(qm: QuantizedModel) -> dict[str, torch.Tensor]:
+    """Float parameters that folding changed: LayerNorm γ/β and the consumers' weight/bias."""
+    out: dict[str, torch.Tensor] = {}
+    for site_name in qm.folds:
+        s = next(s for s in qm.sites if s.name == site_name)
+        norm = qm.model.get_submodule(s.module)
+        out[f"{s.module}.weight"] = norm.weight.detach().clone()
+        out[f"{s.module}.bias"] = norm.bias.detach().clone()
+        for c in s.consumers:
+            out[f"{c}.weight"] = qm.fp_weights[c].clone()
+            out[f"{c}.bias"] = qm.model.get_submodule(c).bias.detach().clone()
+    return out
+
+
+def aimet_encodings(qm: QuantizedModel) -> tuple[dict[str, Any], list[str]]:
+    """Uniform quantizers as AIMET encodings; non-uniform sites are returned as skipped."""
+    acts, params, skipped = {}, {}, []
+
+    def enc(q: Any) -> list[dict[str, Any]] | None:
+        if q.name not in ("uniform", "uniform_sym"):
+            return None
+        s = q.state["scale"].flatten().tolist()
+        if q.name == "uniform":
+            z = q.state["zero_point"].flatten().tolist()
+            qmax = 2**q.bits - 1
+            return [{"bitwidth": q.bits, "dtype": "int", "is_symmetric": "False", "scale": si, "offset": -zi,
+                     "min": -zi * si, "max": (qmax - zi) * si} for si, zi in zip(s, z)]
+        half = 2 ** (q.bits - 1)
+        return [{"bitwidth": q.bits, "dtype": "int", "is_symmetric": "True", "scale": si, "offset": -half,
+                 "min": -half * si, "max": (half - 1) * si} for si in s]
+
+    for name, aq in qm.acts.items():
+        e = enc(aq.q)
+        (acts.__setitem__(name, e) if e else skipped.append(f"{name} ({aq.q.name})"))
+    for path, q in qm.weights.items():
+        e = enc(q)
+        (params.__setitem__(f"{path}.weight", e) if e else skipped.append(f"{path}.weight ({q.name})"))
+    return {"version": "0.6.1", "activation_encodings": acts, "param_encodings": params}, skipped
+
+
+def export(qm: QuantizedModel, out_dir: str | Path, calib_ids: list[str] | None = None) -> Path:
+    """Write the folder; returns its path."""
+    if not qm.calibrated:
+        raise ValueError("calibrate the model before exporting it")
+    tensors: dict[str, torch.Tensor] = {}
+    sites_json = []
+    for s in qm.sites:
+        if s.name in qm.acts:
+            aq = qm.acts[s.name]
+            q, key, shift = aq.q, f"act/{s.name}", aq.shift
+        elif s.kind == "weight" and s.module in qm.weights:
+            q, key, shift = qm.weights[s.module], f"weight/{s.module}", 0.0
+        else:
+            continue
+        for k, v in q.state.items():
+            tensors[f"{key}/{k}"] = v.detach().cpu().contiguous()
+        sites_json.append({
+            "site": s.name, "kind": s.kind, "quantizer": q.name, "bits": q.bits, "granularity": _granularity(q),
+            "options": q.options, "axis": q.axis, "shift": shift, "folded": s.name in qm.folds,
+            "summary": {k: {"min": float(v.min()), "max": float(v.max()), "count": v.numel()} for k, v in q.state.items()},
+        })
+    for k, v in _changed_params(qm).items():
+        tensors[f"model/{k}"] = v.detach().cpu().contiguous()
+    enc, skipped = aimet_encodings(qm)
+    manifest = {
+        "format": FORMAT, "version": FORMAT_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "model_id": qm.info.model_id, "weights_sha256": qm.info.weights_sha256,
+        "calibration_image_ids": list(calib_ids or getattr(qm, "calib_ids", [])),
+        "seed": qm.config.calibration.seed, "versions": _versions(), "aimet_skipped": skipped,
+        "folded_sites": list(qm.folds),
+    }
+    with atomic.atomic_dir(out_dir) as tmp:
+        (tmp / "config.json").write_text(qm.config.to_json() + "\n")
+        (tmp / "quant_params.json").write_text(json.dumps({"sites": sites_json}, indent=2) + "\n")
+        save_file(tensors, str(tmp / "params.safetensors"), metadata={"format": FORMAT})
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        (tmp / "aimet_encodings.json").write_text(json.dumps(enc, indent=2) + "\n")
+    return Path(out_dir)
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    p = Path(path) / "manifest.json"
+    if not p.is_file():
+        raise ConfigError(f"{path} is not a vizq export (no manifest.json); export one with `python -m vizq export`")
+    m = json.loads(p.read_text())
+    if m.get("format") != FORMAT or m.get("version", 0) > FORMAT_VERSION:
+        raise ConfigError(f"{path}: unsupported export format {m.get('format')} v{m.get('version')}")
+    return m
+
+
+@torch.no_grad()
+def load_export(path: str | Path, loaded: Any) -> QuantizedModel:
+    """Rebuild the calibrated quantized model without recalibration (bit-identical outputs)."""
+    path = Path(path)
+    man = read_manifest(path)
+    if man["weights_sha256"] != loaded.info.weights_sha256:
+        raise ConfigError(
+            f"{path.name} was calibrated for {man['model_id']} (weights {man['weights_sha256'][:12]}…), "
+            f"but the loaded model is {loaded.info.model_id} ({loaded.info.weights_sha256[:12]}…); load the same weights"
+        )
+    config = QuantConfig.load(path / "config.json")
+    info = json.loads((path / "quant_params.json").read_text())["sites"]
+    tensors = load_file(str(path / "params.safetensors"))
+    qm = QuantizedModel(loaded, config)
+    for k, v in tensors.items():  # folded float parameters first
+        if not k.startswith("model/"):
+            continue
+        name = k[len("model/"):]
+        mod_path, pname = name.rsplit(".", 1)
+        mod = qm.model.get_submodule(mod_path)
+        if pname == "bias" and getattr(mod, "bias", None) is None:
+            mod.bias = nn.Parameter(v.clone(), requires_grad=False)
+        elif pname == "weight" and mod_path in qm.fp_weights:
+            qm.fp_weights[mod_path] = v.clone()
+        else:
+            getattr(mod, pname).data.copy_(v)
+    for row in info:
+        q = get_quantizer(row["quantizer"], row["bits"], **row["options"])
+        q.axis = row["axis"]
+        prefix = f"act/{row['site']}/" if row["kind"] != "weight" else f"weight/{row['site'].removesuffix('.weight')}/"
+        q.state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        if row["kind"] == "weight":
+            mod_path = row["site"].removesuffix(".weight")
+            qm.weights[mod_path] = q
+            qm.model.get_submodule(mod_path).weight.data.copy_(q.fake_quant(qm.fp_weights[mod_path]))
+        else:
+            aq = qm.acts[row["site"]]
+            aq.q, aq.shift = q, row["shift"]
+            aq.spec = Spec(q.name, q.bits, dict(q.options), row["shift"])
+            if row["folded"]:
+                qm.folds[row["site"]] = None  # type: ignore[assignment] - folded, factors not needed
+    qm.calibrated = True
+    qm.calib_ids = man["calibration_image_ids"]
+    return qm
