@@ -25,6 +25,7 @@ from torch import nn
 
 from . import atomic
 from .data import ImageSet, iterate_batches
+from .memory import pin_mmap_threshold
 from .sites import Site
 from .stats import LOG_BINS, ImageReservoir, LinearHistogram, Moments, log2_bin_edges, log2_histogram
 
@@ -246,6 +247,7 @@ def capture_activations(
     ``loaded`` is a :class:`vizq.models.LoadedModel`. The model's outputs are unchanged (hooks
     only read). ``cancel()`` returning True stops the run with :class:`Cancelled`.
     """
+    pin_mmap_threshold()
     model = loaded.model
     sites = [s for s in (sites if sites is not None else loaded.sites) if s.is_activation]
     if not sites:

@@ -177,6 +177,9 @@ def finish(model: nn.Module, model_id: str, arch: str, family: str, class_names:
     for p in model.parameters():
         p.requires_grad_(False)
     cfg = data_config or resolve_data_config({}, model=model)
+    img = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    if img is not None and tuple(cfg["input_size"][1:]) != tuple(img):  # built with img_size=…
+        cfg = {**cfg, "input_size": (cfg["input_size"][0], *img)}
     transform = create_transform(**cfg, is_training=False)
     pe = getattr(model, "patch_embed", None)
     grid = tuple(getattr(pe, "grid_size", (0, 0)))

@@ -1,0 +1,42 @@
+"""Shared fixtures: the bundled model and small random-init timm models (loaded once)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+SMALL = {
+    "deit": ("random:deit_tiny_patch16_224", {"img_size": 64}),
+    "swin": ("random:swin_tiny_patch4_window7_224", {"img_size": 64, "window_size": 4}),
+}
+
+
+@pytest.fixture(scope="session")
+def bundled():
+    from vizq.models import load_model
+
+    return load_model("vizq-vit-tiny")
+
+
+@pytest.fixture(scope="session")
+def bundled_capture(bundled):
+    from vizq.capture import capture_activations
+    from vizq.data import resolve_images
+
+    images = resolve_images(bundled, None, "eval")
+    return capture_activations(bundled, images, list(range(16)), batch_size=16, reservoir_images=16)
+
+
+@pytest.fixture(scope="session", params=list(SMALL))
+def small_model(request):
+    from vizq.models import load_model
+
+    torch.manual_seed(0)
+    spec, kw = SMALL[request.param]
+    return load_model(spec, **kw)
+
+
+def random_images(loaded, n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, *loaded.info.input_size, generator=g)
