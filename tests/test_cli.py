@@ -1,0 +1,60 @@
+"""The command line end to end on the bundled model (real subprocesses)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def vizq(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, "-m", "vizq", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if check:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def test_models_lists_loadable_and_needing_weights():
+    out = vizq("models").stdout
+    assert "vizq-vit-tiny" in out and "needs weights" in out and "random:swin_tiny_patch4_window7_224" in out
+
+
+def test_capture_prints_summary_and_saves(tmp_path):
+    p = vizq("capture", "--model", "vizq-vit-tiny", "--images", "16", "--out", str(tmp_path / "s.vizq"),
+             "--json", str(tmp_path / "s.json"))
+    assert "blocks.2.attn.softmax" in p.stdout and "channel_variation" in p.stdout
+    assert "16/16" in p.stderr  # progress
+    rows = json.loads((tmp_path / "s.json").read_text())
+    assert {r["kind"] for r in rows} >= {"post_ln", "post_softmax", "post_gelu", "residual"}
+    from vizq.capture import Capture
+
+    assert Capture.load(tmp_path / "s.vizq").num_images == 16
+
+
+def test_compare_reports_every_metric(tmp_path):
+    vizq("compare", "--model", "vizq-vit-tiny", "--site", "blocks.2.attn.softmax", "--bits", "4",
+         "--quantizers", "uniform,log2,logsqrt2,adalog,tanq,sulq,mxfp4", "--json", str(tmp_path / "c.json"))
+    d = json.loads((tmp_path / "c.json").read_text())
+    assert [r["quantizer"] for r in d["rows"]] == ["uniform", "log2", "logsqrt2", "adalog", "tanq", "sulq", "mxfp4"]
+    for r in d["rows"]:
+        assert {"mse", "sqnr_db", "cosine", "max_abs_error", "kl", "attn_output_error", "ms"} <= set(r)
+
+
+def test_eval_export_and_reuse(tmp_path):
+    vizq("export", "--method", "repq", "--wbits", "4", "--abits", "4", "--out", str(tmp_path / "exp"))
+    a = vizq("eval", "--method", "repq", "--images", "200", "--json", str(tmp_path / "a.json"))
+    vizq("eval", "--config", str(tmp_path / "exp"), "--images", "200", "--json", str(tmp_path / "b.json"))
+    ra, rb = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
+    assert "q_top1" in a.stdout
+    assert ra["q_top1"] == rb["q_top1"] and ra["kl"] == rb["kl"] and ra["agreement"] == rb["agreement"]
+
+
+def test_bad_input_gives_one_clear_line():
+    p = vizq("capture", "--model", "vizq-vit-tiny", "--data", "/no/such/folder", check=False)
+    assert p.returncode == 2 and p.stderr.startswith("error: image folder") and "Traceback" not in p.stderr
+    p = vizq("compare", "--site", "blocks.99.attn.softmax", check=False)
+    assert p.returncode == 2 and "no site named" in p.stderr
+    p = vizq("eval", "--override", "post_ln=warp:bits=4", check=False)
+    assert p.returncode == 2 and "warp" in p.stderr and "Traceback" not in p.stderr

@@ -1,0 +1,199 @@
+"""PTQ engine: config round trips, reparameterization exactness, presets, evaluation, export."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from conftest import random_images
+from vizq.ptq.config import ConfigError, QuantConfig
+from vizq.ptq.engine import QuantizedModel
+from vizq.ptq.evaluate import run_eval, sensitivity
+from vizq.ptq.export import export, load_export
+from vizq.ptq.presets import PRESETS, plan
+from vizq.capture import Cancelled, hook_count
+
+
+def test_config_round_trips_exactly_through_json_and_yaml():
+    cfg = QuantConfig(method="repq", wbits=6, abits=4,
+                      overrides={"blocks.*.attn.softmax": {"quantizer": "adalog", "bits": 4},
+                                 "post_gelu": {"quantizer": "uniform", "options": {"method": "mse"}},
+                                 "head:input": {"enabled": False}},
+                      calibration={"images": 16, "seed": 7, "batch_size": 8})
+    assert QuantConfig.from_text(cfg.to_json()) == cfg
+    assert QuantConfig.from_text(cfg.to_yaml()) == cfg
+    assert json.loads(cfg.to_json())["version"] == 1
+
+
+@pytest.mark.parametrize("bad, key", [
+    ({"method": "magic"}, "method"),
+    ({"wbits": 1}, "wbits"),
+    ({"abits": "4"}, "abits"),
+    ({"overrides": {"post_ln": {"quantizer": "nope"}}}, "overrides['post_ln'].quantizer"),
+    ({"overrides": {"post_ln": {"bitz": 4}}}, "bitz"),
+    ({"overrides": {"blocks.*": {"quantizer": "log2", "bits": 12}}}, "overrides['blocks.*'].bits"),
+    ({"calibration": {"images": 0}}, "calibration.images"),
+    ({"calibration": {"imgs": 3}}, "calibration.imgs"),
+    ({"colour": "red"}, "colour"),
+])
+def test_invalid_configs_name_the_offending_key(bad, key):
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]").replace("*", r"\*")):
+        QuantConfig.from_dict({**QuantConfig().to_dict(), **bad})
+
+
+def test_yaml_is_loaded_safely():
+    with pytest.raises(ConfigError):
+        QuantConfig.from_text("!!python/object/apply:os.system ['echo pwned']")
+
+
+def test_plan_follows_presets_and_overrides(bundled):
+    cfg = QuantConfig(method="repq", overrides={"blocks.1.attn.softmax": {"quantizer": "adalog"},
+                                                "post_gelu": {"bits": 6}, "blocks.5.*": {"enabled": False}})
+    p = plan(cfg, bundled.sites)
+    assert p["blocks.0.attn.softmax"].quantizer == "logsqrt2"
+    assert p["blocks.1.attn.softmax"].quantizer == "adalog"
+    assert p["blocks.0.norm1"].options["granularity"] == "channel"
+    assert p["blocks.0.mlp.act"].bits == 6
+    assert p["blocks.0"] is None  # residual: observed, not quantized
+    assert p["patch_embed.proj:input"].bits == 8
+    assert p["blocks.5.norm1"] is None and p["blocks.5.attn.qkv.weight"] is None
+    assert p["head.weight"].options["granularity"] == "out_channel"
+
+
+@torch.no_grad()
+def test_reparameterization_is_exact_in_floating_point(small_model):
+    """Fold random per-channel parameters; no quantization: logits unchanged."""
+    from vizq.ptq.reparam import apply_fold, fold_factors
+
+    qm = QuantizedModel(small_model, QuantConfig(method="repq"))
+    qm.remove_hooks()
+    x = random_images(small_model, 2)
+    ref = small_model.model(x)
+    g = torch.Generator().manual_seed(0)
+    folded = 0
+    for s in small_model.sites:
+        if s.kind != "post_ln":
+            continue
+        c = qm.model.get_submodule(s.module).weight.numel()
+        scale = torch.rand(c, generator=g) * 0.5 + 0.01
+        zp = torch.randint(0, 16, (c,), generator=g).float()
+        apply_fold(qm.model.get_submodule(s.module), [qm.model.get_submodule(n) for n in s.consumers],
+                   fold_factors(scale, zp, "median" if folded % 2 else "mean"))
+        folded += 1
+    out = qm.model(x)
+    assert folded >= 24
+    assert ((out - ref).norm() / ref.norm()) < 1e-4
+    if "swin" in small_model.info.arch:  # patch merging got the bias it lacked
+        assert qm.model.get_submodule("layers.1.downsample.reduction").bias is not None
+
+
+@torch.no_grad()
+def test_folded_per_tensor_quantization_equals_per_channel(bundled):
+    """RepQ's claim: the folded layer-wise quantizer reproduces per-channel quantization."""
+    from vizq.quant import get_quantizer
+    from vizq.ptq.reparam import apply_fold, fold_factors
+
+    x = random_images(bundled, 8)
+    model = QuantizedModel(bundled, QuantConfig(method="minmax"))
+    model.remove_hooks()
+    norm, qkv = model.model.blocks[2].norm1, model.model.blocks[2].attn.qkv
+    h = model.model.blocks[2]
+    inp = {}
+    hook = h.register_forward_pre_hook(lambda m, a: inp.setdefault("x", a[0]))
+    model.model(x)
+    hook.remove()
+    ln_out = norm(inp["x"])
+    pc = get_quantizer("uniform", 4, granularity="channel").calibrate(ln_out)
+    ref = qkv(pc.fake_quant(ln_out))
+    fold = fold_factors(pc.state["scale"], pc.state["zero_point"], "mean")
+    apply_fold(norm, [qkv], fold)
+    pt = get_quantizer("uniform", 4)
+    pt.axis, pt.state = None, {"scale": torch.tensor([fold.scale]), "zero_point": torch.tensor([fold.zero_point])}
+    out = qkv(pt.fake_quant(norm(inp["x"])))
+    assert ((out - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("method", list(PRESETS))
+def test_every_preset_runs_on_deit_and_swin(small_model, method):
+    x = random_images(small_model, 4)
+    orig = {k: v.clone() for k, v in small_model.model.state_dict().items()}
+    qm = QuantizedModel(small_model, QuantConfig(method=method, wbits=4, abits=4)).calibrate(x)
+    with torch.no_grad():
+        out, ref = qm(x), small_model.model(x)
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    assert not torch.equal(out, ref)
+    assert all(torch.equal(v, orig[k]) for k, v in small_model.model.state_dict().items())  # original untouched
+    assert hook_count(small_model.model) == 0
+    if PRESETS[method].reparam != "none":
+        assert len(qm.folds) == sum(1 for s in small_model.sites if s.kind == "post_ln")
+
+
+def test_export_reload_is_bit_exact(tmp_path, small_model):
+    x = random_images(small_model, 4)
+    for method in ("repq", "adalog", "mxfp4"):
+        qm = QuantizedModel(small_model, QuantConfig(method=method)).calibrate(x)
+        export(qm, tmp_path / method, ["img0", "img1"])
+        back = load_export(tmp_path / method, small_model)
+        with torch.no_grad():
+            assert torch.equal(qm(x), back(x)), method
+        man = json.loads((tmp_path / method / "manifest.json").read_text())
+        assert man["weights_sha256"] == small_model.info.weights_sha256 and man["calibration_image_ids"] == ["img0", "img1"]
+        enc = json.loads((tmp_path / method / "aimet_encodings.json").read_text())
+        if method == "repq":
+            e = enc["param_encodings"]["head.weight"] if "head.weight" in enc["param_encodings"] else next(iter(enc["param_encodings"].values()))
+            assert {"bitwidth", "scale", "offset", "min", "max", "is_symmetric"} <= set(e[0])
+            assert any(s.endswith("softmax (logsqrt2)") for s in man["aimet_skipped"])  # log√2 is not uniform
+
+
+def test_export_refuses_other_weights(tmp_path, bundled, small_model):
+    qm = QuantizedModel(small_model, QuantConfig(method="minmax")).calibrate(random_images(small_model, 2))
+    export(qm, tmp_path / "e")
+    with pytest.raises(ConfigError, match="load the same weights"):
+        load_export(tmp_path / "e", bundled)
+
+
+def test_bundled_repq_beats_minmax_at_w4a4_and_reload_reproduces(tmp_path, bundled):
+    cfg = QuantConfig(method="repq", wbits=4, abits=4)
+    rq, qm = run_eval(bundled, cfg, n_eval=300)
+    rm, _ = run_eval(bundled, QuantConfig(method="minmax", wbits=4, abits=4), n_eval=300)
+    d = rq.to_dict()
+    for key in ("model", "method", "wbits", "abits", "calib_images", "eval_images", "fp_top1", "q_top1", "fp_top5",
+                "q_top5", "agreement", "kl", "seconds_calibrate", "seconds_eval"):
+        assert key in d
+    assert rq.eval_images == 300 and rq.calib_images == 32 and rq.fp_top1 >= 95
+    assert rq.kl < rm.kl / 3 and rq.agreement > rm.agreement
+    assert rq.site_sqnr_db["blocks.0.attn.softmax"] > 0
+    export(qm, tmp_path / "x")
+    again, _ = run_eval(bundled, cfg, n_eval=300, qmodel=load_export(tmp_path / "x", bundled))
+    assert again.q_top1 == rq.q_top1 and again.kl == rq.kl
+
+
+def test_sensitivity_ranks_kinds(bundled):
+    rows = sensitivity(bundled, QuantConfig(method="minmax", wbits=3, abits=3), n_eval=100, by="kind")
+    assert [r["lost"] for r in rows] == sorted((r["lost"] for r in rows), reverse=True)
+    assert {r["group"] for r in rows} >= {"post_ln", "post_softmax", "weight"}
+
+
+def test_cancel_leaves_no_partial_export(tmp_path, bundled):
+    with pytest.raises(Cancelled):
+        QuantizedModel(bundled, QuantConfig()).calibrate(random_images(bundled, 4), cancel=lambda: True)
+    qm = QuantizedModel(bundled, QuantConfig(method="minmax")).calibrate(random_images(bundled, 4))
+    export(qm, tmp_path / "good")
+    before = (tmp_path / "good" / "params.safetensors").read_bytes()
+
+    class Boom(RuntimeError):
+        pass
+
+    import vizq.ptq.export as ex
+
+    orig = ex.save_file
+    ex.save_file = lambda *a, **k: (_ for _ in ()).throw(Boom("disk full"))
+    try:
+        with pytest.raises(Boom):
+            export(qm, tmp_path / "good")
+    finally:
+        ex.save_file = orig
+    assert (tmp_path / "good" / "params.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good"]
