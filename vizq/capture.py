@@ -157,6 +157,7 @@ class Capture:
     num_prefix_tokens: int = 1
     seconds: float = 0.0
     skipped: list[str] = field(default_factory=list)
+    reservoir_ids: list[str] = field(default_factory=list)  # image id of each reservoir slot
 
     @property
     def num_images(self) -> int:
@@ -189,7 +190,8 @@ class Capture:
             }
         return {"format": "vizq-capture", "version": FORMAT_VERSION, "model_id": self.model_id,
                 "weights_sha256": self.weights_sha256, "image_ids": self.image_ids, "sites": sites,
-                "num_prefix_tokens": self.num_prefix_tokens, "seconds": self.seconds, "skipped": self.skipped}
+                "num_prefix_tokens": self.num_prefix_tokens, "seconds": self.seconds, "skipped": self.skipped,
+                "reservoir_ids": self.reservoir_ids}
 
     @classmethod
     def load(cls, path: str | Path) -> "Capture":
@@ -221,7 +223,8 @@ class Capture:
                 log_hist=s["log_hist"], key_mass=s["key_mass"], key_mass_images=s["key_mass_images"],
                 absmax=s["absmax"], absmax_where=s["absmax_where"], reservoir=list(s["reservoir"]),
             )
-        return cls(d["model_id"], d["weights_sha256"], d["image_ids"], stats, d["num_prefix_tokens"], d["seconds"], d["skipped"])
+        return cls(d["model_id"], d["weights_sha256"], d["image_ids"], stats, d["num_prefix_tokens"], d["seconds"],
+                   d["skipped"], list(d.get("reservoir_ids", [])))
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
@@ -260,6 +263,7 @@ def capture_activations(
     slots: list[tuple[int, int]] = []
     prefix = loaded.info.num_prefix_tokens
     ids: list[str] = []
+    reservoir_ids: list[str] = [""] * reservoir_images
     batch_n = 0
 
     def on_tensor(site: Site, x: torch.Tensor) -> None:
@@ -282,6 +286,8 @@ def capture_activations(
                 raise Cancelled("capture cancelled; nothing was written")
             batch_n = xb.shape[0]
             slots = res.slots(batch_n)
+            for i, slot in slots:
+                reservoir_ids[slot] = bid[i]
             model(xb.to(device))
             ids.extend(bid)
             if progress:
@@ -290,7 +296,8 @@ def capture_activations(
                 progress(done, total, f"{done}/{total} images, ETA {eta:.0f}s")
     if not ids:
         raise ValueError(f"none of the {total} images could be read; see the skipped files")
-    return Capture(loaded.info.model_id, loaded.info.weights_sha256, ids, stats, prefix, time.time() - t0, list(images.skipped))
+    return Capture(loaded.info.model_id, loaded.info.weights_sha256, ids, stats, prefix, time.time() - t0,
+                   list(images.skipped), [r for r in reservoir_ids if r])
 
 
 

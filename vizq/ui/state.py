@@ -1,0 +1,149 @@
+"""The only Streamlit-aware layer: cached loaders, session keys, error guard, chart helper.
+
+Models are cached with ``st.cache_resource`` and shared by every session, so they are never
+mutated (the PTQ engine works on a deep copy). Captures are cached per (model, data, images,
+seed) in a shared dict, computed with a visible progress bar.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import traceback
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import pandas as pd
+import streamlit as st
+
+from ..errors import USER_ERRORS, message
+
+DEFAULTS = {
+    "model_mode": "bundled",
+    "model_spec": "vizq-vit-tiny",
+    "model_kwargs": {},
+    "data_mode": "bundled",
+    "data_path": "",
+    "uploads": [],
+    "n_images": 32,
+    "seed": 0,
+}
+
+
+def init_state() -> None:
+    for k, v in DEFAULTS.items():
+        st.session_state.setdefault(k, v)
+
+
+@contextmanager
+def guard(what: str) -> Iterator[None]:
+    """Show errors as messages that say what to do; never a raw traceback on the page."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        st.error(f"**{what}**: {message(e)}")
+        st.stop()
+    except Exception as e:  # noqa: BLE001 - unexpected: say so, keep the trace in the server log
+        traceback.print_exc()
+        st.error(f"**{what}** failed unexpectedly ({type(e).__name__}: {e}). The details are in the server log; "
+                 "try other settings or report it with that log.")
+        st.stop()
+
+
+@st.cache_resource(show_spinner="Loading model…", max_entries=4)
+def _load(spec: str, kwargs_json: str) -> Any:
+    from ..models import load_model
+
+    return load_model(spec, **json.loads(kwargs_json))
+
+
+def current_model() -> Any:
+    init_state()
+    with guard(f"Loading {st.session_state.model_spec}"):
+        return _load(st.session_state.model_spec, json.dumps(st.session_state.model_kwargs, sort_keys=True))
+
+
+def data_key() -> str:
+    s = st.session_state
+    if s.data_mode == "folder":
+        return f"folder:{s.data_path}"
+    if s.data_mode == "upload":
+        h = hashlib.sha256(b"".join(b for _, b in s.uploads)).hexdigest()[:12]
+        return f"upload:{h}"
+    return "bundled"
+
+
+def current_images(lm: Any, part: str = "eval") -> Any:
+    from ..data import resolve_images, uploaded_images
+
+    s = st.session_state
+    with guard("Reading images"):
+        if s.data_mode == "upload":
+            return uploaded_images(s.uploads)
+        return resolve_images(lm, s.data_path if s.data_mode == "folder" else None, part)
+
+
+@st.cache_resource
+def _captures() -> dict[str, Any]:
+    return {}
+
+
+def current_capture(lm: Any, force: bool = False) -> Any:
+    """The capture for the current model/data/count/seed; computed once with a progress bar."""
+    from ..capture import capture_activations
+    from ..data import pick, warn_skipped
+
+    s = st.session_state
+    key = f"{lm.info.model_id}|{lm.info.weights_sha256[:12]}|{data_key()}|{s.n_images}|{s.seed}"
+    store = _captures()
+    if key in store and not force:
+        return store[key]
+    images = current_images(lm)
+    bar = st.progress(0.0, text="Capturing activations…")
+    with guard("Capturing activations"):
+        cap = capture_activations(lm, images, pick(len(images), int(s.n_images), int(s.seed)), batch_size=16,
+                                  reservoir_images=min(8, int(s.n_images)), seed=int(s.seed),
+                                  progress=lambda d, t, m: bar.progress(min(d / max(t, 1), 1.0), text=f"Capturing: {m}"))
+    bar.empty()
+    w = warn_skipped(images)
+    if w:
+        st.warning(w)
+    if len(store) > 8:
+        store.pop(next(iter(store)))
+    store[key] = cap
+    return cap
+
+
+def chart(fig: Any, table: pd.DataFrame, name: str) -> None:
+    """A plotly chart with its data one click away (CSV download and a table)."""
+    st.plotly_chart(fig, width="stretch", key=f"chart-{name}")
+    c1, c2 = st.columns([1, 4])
+    c1.download_button("Data (CSV)", table.to_csv(index=False).encode(), file_name=f"{name}.csv",
+                       mime="text/csv", key=f"csv-{name}", on_click="ignore")
+    with c2.expander("Show data"):
+        st.dataframe(table, width="stretch", height=240)
+
+
+def image_model_only(lm: Any, what: str) -> bool:
+    """False (and an explanation) for models without images (text encoders)."""
+    if getattr(lm.info, "modality", "image") != "image":
+        st.info(f"{what} needs an image model; {lm.info.model_id} reads text, so this view is hidden.")
+        return False
+    return True
+
+
+def chart_table(table: pd.DataFrame, name: str) -> None:
+    """A table with a CSV download."""
+    st.dataframe(table, width="stretch", hide_index=True)
+    st.download_button("Table (CSV)", table.to_csv(index=False).encode(), file_name=f"{name}.csv", mime="text/csv",
+                       key=f"csv-{name}", on_click="ignore")
+
+
+def save_upload(uploaded: Any) -> str:
+    """Write an uploaded checkpoint under $VIZQ_HOME/uploads (atomically) and return its path."""
+    from .. import atomic
+    from ..runs import home
+
+    name = "".join(ch for ch in uploaded.name if ch.isalnum() or ch in "._-") or "checkpoint.safetensors"
+    path = home() / "uploads" / name
+    atomic.write_bytes(path, uploaded.getvalue())
+    return str(path)
