@@ -14,8 +14,13 @@ pages = [
     st.Page("pages/5_evaluate.py", title="Evaluate", icon=":material/speed:"),
     st.Page("pages/6_export.py", title="Export", icon=":material/download:"),
 ]
-nav = st.navigation(pages)
+# position="hidden" + page links: the sidebar never flashes the pages/ folder's default menu
+nav = st.navigation(pages, position="hidden")
 with st.sidebar:
+    st.markdown("### vizq")
+    for page in pages:
+        st.page_link(page)
+    st.divider()
     s = st.session_state
     st.markdown(f"**Model** `{s.model_spec}`  \n**Data** `{data_key()}` · {s.n_images} images · seed {s.seed}")
     st.caption("Change them on *Model & data*.")

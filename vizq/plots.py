@@ -63,9 +63,9 @@ def ccdf_loglog(log_hist: torch.Tensor, alpha: float, title: str = "") -> tuple[
         ref = df[(df.x >= 2.0**-12) & (df.x <= 0.5)]
         if len(ref):
             x0, y0 = ref.x.iloc[len(ref) // 2], ref.ccdf.iloc[len(ref) // 2]
-            fit = y0 * (df.x / x0) ** (-alpha)
-            fig.add_scatter(x=df.x, y=fit, mode="lines", line={"dash": "dash"}, name=f"power law, α = {alpha:.2f}")
-            df["fit"] = fit
+            fit = y0 * (ref.x / x0) ** (-alpha)  # drawn over the fitted range only
+            fig.add_scatter(x=ref.x, y=fit, mode="lines", line={"dash": "dash"}, name=f"power law, α = {alpha:.2f}")
+            df["fit"] = (y0 * (df.x / x0) ** (-alpha)).where((df.x >= 2.0**-12) & (df.x <= 0.5))
     fig.update_xaxes(type="log")
     fig.update_yaxes(type="log")
     return _layout(fig, title or "CCDF of attention probabilities", "probability p (log)", "P(P ≥ p) (log)"), df

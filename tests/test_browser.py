@@ -1,0 +1,89 @@
+"""Real-browser smoke test: the README's run command serves the app on localhost; headless
+Chromium opens every page, waits for its charts, runs a small evaluation and saves a
+screenshot per page under artifacts/screenshots/."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+SHOTS = ROOT / "artifacts" / "screenshots"
+PAGES = [("Model & data", 0), ("Softmax explorer", 4), ("LayerNorm explorer", 3), ("Quantizer lab", 2),
+         ("Evaluate", 0), ("Export", 0)]
+
+if not CHROMIUM and not os.environ.get("CI"):
+    pytest.skip("Chromium is not installed (CI installs it: apt-get install chromium)", allow_module_level=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    env = {**os.environ, "VIZQ_HOME": str(tmp_path_factory.mktemp("home"))}
+    proc = subprocess.Popen([str(ROOT / "run.sh"), "--server.port", str(port)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        os.killpg(proc.pid, signal.SIGTERM)
+        pytest.fail("the dashboard did not start: " + proc.stdout.read().decode(errors="replace")[-2000:])
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=20)
+
+
+def test_server_binds_to_localhost_only(server):
+    port = int(server.rsplit(":", 1)[1])
+    ips = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None) if a[0] == socket.AF_INET} - {"127.0.0.1"}
+    for ip in ips:
+        with socket.socket() as s:
+            s.settimeout(1)
+            assert s.connect_ex((ip, port)) != 0, f"reachable on {ip}"
+
+
+def test_every_page_in_a_real_browser(server):
+    from playwright.sync_api import sync_playwright
+
+    assert CHROMIUM, "CI must install Chromium"
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                                          "--disable-component-update", "--disable-sync", "--no-first-run"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server, wait_until="networkidle")
+        page.get_by_role("heading", name="Model & data").first.wait_for(timeout=120_000)
+        for i, (title, charts) in enumerate(PAGES):
+            page.get_by_role("link", name=title).first.click()
+            page.get_by_role("heading", name=title).first.wait_for(timeout=120_000)
+            if charts:
+                page.wait_for_function(f"document.querySelectorAll('.js-plotly-plot').length >= {charts}", timeout=120_000)
+            if title == "Evaluate":
+                page.get_by_role("button", name="Run evaluation").click()
+                page.get_by_text("agreement", exact=False).first.wait_for(timeout=180_000)
+                page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 1", timeout=60_000)
+            page.wait_for_timeout(800)
+            assert page.locator("[data-testid='stException']").count() == 0, title
+            page.screenshot(path=str(SHOTS / f"{i + 1}_{title.split()[0].lower().replace('&', '')}.png"), full_page=True)
+        browser.close()
+    assert len(list(SHOTS.glob("*.png"))) == len(PAGES)
