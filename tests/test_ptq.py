@@ -197,3 +197,17 @@ def test_cancel_leaves_no_partial_export(tmp_path, bundled):
         ex.save_file = orig
     assert (tmp_path / "good" / "params.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good"]
+
+
+@pytest.mark.parametrize("name", ["log2", "logsqrt2", "adalog", "sulq", "tanq", "fp8_e4m3", "fp4_e2m1"])
+def test_step_function_fast_path_is_bit_exact(bundled_capture, name):
+    from vizq.quant import get_quantizer
+    from vizq.quant.step import StepFunction
+
+    for site in ("blocks.2.attn.softmax", "blocks.4.mlp.act"):
+        x = bundled_capture.site(site).sample()
+        q = get_quantizer(name).calibrate(x)
+        step = StepFunction.build(q, x)
+        assert step is not None
+        probe = torch.cat([x.flatten(), torch.linspace(-10, 10, 10001), torch.tensor([0.0, -0.0, 1e-30, 1.0])])
+        assert torch.equal(step(probe), q.fake_quant(probe))

@@ -172,7 +172,7 @@ def levels_over_histogram(x: torch.Tensor, levels: dict[str, torch.Tensor], log_
         lvv = np.unique(lv.detach().double().flatten().numpy())
         if log_x:
             lvv = lvv[lvv > 0]
-        y = top * (1.15 + 0.12 * i)
+        y = top * 2.0 ** (1 + 0.7 * i)  # one row per quantizer (log axis: multiplicative spacing)
         fig.add_scatter(x=lvv, y=np.full(lvv.size, y), mode="markers", name=f"{name} ({lvv.size} levels)",
                         marker={"symbol": "line-ns-open", "size": 14, "color": PALETTE[i % len(PALETTE)], "line": {"width": 2}})
         rows += [{"series": name, "x": float(level), "count": None} for level in lvv]

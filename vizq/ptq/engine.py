@@ -19,6 +19,7 @@ from torch import nn
 
 from ..capture import Cancelled, site_hooks
 from ..quant import Quantizer, get_quantizer
+from ..quant.step import StepFunction
 from ..sites import Site
 from .config import ConfigError, QuantConfig
 from .presets import OUTPUT_SCORED, PRESETS, Spec, plan, reparam_mode
@@ -35,14 +36,20 @@ class ActQuant:
         self.spec = spec
         self.q: Quantizer = get_quantizer(spec.quantizer, spec.bits, **spec.options)
         self.shift = spec.shift
+        self.step: StepFunction | None = None  # exact fast path, built after calibration
 
     def calibrate(self, x: torch.Tensor, score: Callable | None = None) -> None:
         self.q.calibrate(x + self.shift if self.shift else x, score=score)
+        self.step = None
+
+    def compile(self, sample: torch.Tensor | None = None) -> None:
+        """Replace the formula by its exact step function where possible (inference speed)."""
+        self.step = StepFunction.build(self.q, None if sample is None else sample + self.shift)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.shift:
-            return self.q.fake_quant(x + self.shift) - self.shift
-        return self.q.fake_quant(x)
+        xs = x + self.shift if self.shift else x
+        out = self.step(xs) if self.step is not None and x.dtype == torch.float32 else self.q.fake_quant(xs)
+        return out - self.shift if self.shift else out
 
 
 class QuantizedModel(nn.Module):
@@ -101,7 +108,10 @@ class QuantizedModel(nn.Module):
         if not aq.q.calibrated:
             score = self._score_for(site, x) if self._score_on else None
             aq.calibrate(x[:SCORE_IMAGES] if score else x, score=score)
-        out = aq(x)
+            out = aq(x)
+            aq.compile(x)  # checked against the calibration tensor itself
+        else:
+            out = aq(x)
         if site.kind == "v":
             self._stash[site.name] = out
         return out
@@ -189,6 +199,7 @@ class QuantizedModel(nn.Module):
                            "zero_point": torch.tensor([fold.zero_point], dtype=torch.float32)}
             aq.q = layer
             aq.spec = Spec("uniform", aq.spec.bits, {"method": aq.spec.options.get("method", "minmax")}, aq.spec.shift)
+            aq.compile()
 
     # ---------------------------------------------------------------- inspection
     def site_table(self) -> list[dict[str, Any]]:

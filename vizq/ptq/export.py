@@ -170,6 +170,7 @@ def load_export(path: str | Path, loaded: Any) -> QuantizedModel:
             aq = qm.acts[row["site"]]
             aq.q, aq.shift = q, row["shift"]
             aq.spec = Spec(q.name, q.bits, dict(q.options), row["shift"])
+            aq.compile()
             if row["folded"]:
                 qm.folds[row["site"]] = None  # type: ignore[assignment] - folded, factors not needed
     qm.calibrated = True

@@ -86,7 +86,23 @@ class UniformQuantizer(_UniformBase):
         return best
 
     def _apply(self, x: Tensor, p: dict[str, Tensor]) -> Tensor:
-        return uniform_asym(x, p["scale"], p["zero_point"], self.qmax)
+        fused = self._fused(x, p)
+        return fused if fused is not None else uniform_asym(x, p["scale"], p["zero_point"], self.qmax)
+
+    def _fused(self, x: Tensor, p: dict[str, Tensor]) -> Tensor | None:
+        """torch's one-pass fake-quant kernel, where it computes the same thing (per-tensor or
+        last-dim per-channel, zero points inside the code range, float32)."""
+        s, z = p["scale"], p["zero_point"]
+        if x.dtype != torch.float32 or self.bits > 16 or s.dim() > 1 or not x.is_contiguous():
+            return None
+        zi = z.reshape(-1)
+        if bool((zi < 0).any() or (zi > self.qmax).any()):
+            return None
+        if s.dim() == 0:
+            return torch.fake_quantize_per_tensor_affine(x, s.float(), z.to(torch.int32), 0, self.qmax)
+        if self.axis == -1 and s.numel() == x.shape[-1]:
+            return torch.fake_quantize_per_channel_affine(x, s.float(), z.to(torch.int32), x.dim() - 1, 0, self.qmax)
+        return None
 
     def _levels(self, p: dict[str, Tensor]) -> Tensor:
         codes = torch.arange(self.qmax + 1, dtype=torch.float32, device=p["scale"].device)
