@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import atomic
-from .data import ImageSet, iterate_batches
+from .data import ImageSet
 from .memory import pin_mmap_threshold
 from .sites import Site
 from .stats import LOG_BINS, ImageReservoir, LinearHistogram, Moments, log2_bin_edges, log2_histogram
@@ -53,7 +53,7 @@ def site_hooks(model: nn.Module, sites: Iterable[Site], fn: Callable[[Site, torc
     try:
         for s in sites:
             m = _module(model, s.module)
-            if s.port == "output":
+            if s.port in ("output", "consumers"):  # consumers-port sites are observed at the output
                 def out_hook(mod, args, out, s=s):  # noqa: ANN001 - torch hook signature
                     r = fn(s, out)
                     return r if torch.is_tensor(r) else None
@@ -85,7 +85,7 @@ class SiteStats:
     hist: LinearHistogram | None = None
     log_hist: torch.Tensor | None = None  # [heads, 2 (to CLS, to patches), LOG_BINS+1]
     key_mass: torch.Tensor | None = None  # [N] summed over queries, heads and images
-    key_mass_images: int = 0
+    key_mass_rows: torch.Tensor | None = None  # [N] how many probability rows had key position n
     absmax: float = 0.0
     absmax_where: dict[str, Any] = field(default_factory=dict)
     reservoir: list[torch.Tensor | None] = field(default_factory=list)  # whole-image tensors
@@ -95,7 +95,9 @@ class SiteStats:
         kept = [t for t in self.reservoir if t is not None]
         if not kept:
             raise ValueError(f"no tensors were kept for {self.site.name}")
-        return torch.cat(kept, 0)
+        if all(t.shape == kept[0].shape for t in kept):
+            return torch.cat(kept, 0)
+        return _ragged_cat(kept, self.site.kind == "post_softmax")
 
     def percentiles(self) -> dict[float, torch.Tensor]:
         """Per-channel percentiles of the reservoir's values (exact when all images were kept)."""
@@ -103,6 +105,23 @@ class SiteStats:
         q = torch.tensor([p / 100 for p in PERCENTILES], dtype=torch.float64)
         vals = torch.quantile(x, q, dim=0)
         return {p: vals[i] for i, p in enumerate(PERCENTILES)}
+
+
+def _ragged_cat(kept: list[torch.Tensor], probabilities: bool) -> torch.Tensor:
+    """Sentences of different lengths as one sample: tokens concatenated (dim -2), and
+    attention matrices placed block-diagonally so each row still sums to 1 and P·V stays
+    per sentence."""
+    if not probabilities:
+        return torch.cat(kept, -2)
+    lead = kept[0].shape[1:-2]
+    n = sum(t.shape[-1] for t in kept)
+    out = torch.zeros(1, *lead, n, n, dtype=kept[0].dtype)
+    o = 0
+    for t in kept:
+        size = t.shape[-1]
+        out[0, ..., o : o + size, o : o + size] = t[0]
+        o += size
+    return out
 
 
 def _update(st: SiteStats, x: torch.Tensor, prefix_tokens: int) -> None:
@@ -128,11 +147,19 @@ def _update(st: SiteStats, x: torch.Tensor, prefix_tokens: int) -> None:
         groups = torch.arange(h).view(1, h, 1, 1) * 2 + key_is_cls.view(1, 1, 1, n)
         hist = log2_histogram(x, groups.expand_as(x), 2 * h).reshape(h, 2, LOG_BINS + 1)
         st.log_hist = hist if st.log_hist is None else st.log_hist + hist
-        mass = x.double().sum(dim=(1, 2))  # [B, N] summed over heads and queries
-        st.key_mass = mass.sum(0) if st.key_mass is None else st.key_mass + mass.sum(0)
-        st.key_mass_images += b * h
+        mass = x.double().sum(dim=(0, 1, 2))  # [N] summed over images, heads and queries
+        rows = torch.full((n,), float(b * h * n), dtype=torch.float64)
+        st.key_mass = _add_padded(st.key_mass, mass)  # text: sequence lengths differ per batch
+        st.key_mass_rows = _add_padded(st.key_mass_rows, rows)
     elif st.hist is not None:
         st.hist.update(x)
+
+
+def _add_padded(acc: torch.Tensor | None, v: torch.Tensor) -> torch.Tensor:
+    if acc is None:
+        return v.clone()
+    n = max(acc.numel(), v.numel())
+    return torch.nn.functional.pad(acc, (0, n - acc.numel())) + torch.nn.functional.pad(v, (0, n - v.numel()))
 
 
 def _new_stats(site: Site, x: torch.Tensor) -> SiteStats:
@@ -183,7 +210,7 @@ class Capture:
                 "hist": st.hist.state() if st.hist else None,
                 "log_hist": st.log_hist,
                 "key_mass": st.key_mass,
-                "key_mass_images": st.key_mass_images,
+                "key_mass_rows": st.key_mass_rows,
                 "absmax": st.absmax,
                 "absmax_where": st.absmax_where,
                 "reservoir": [t for t in st.reservoir if t is not None],
@@ -220,7 +247,7 @@ class Capture:
                 moments=Moments.from_state(s["moments"]),
                 channel=Moments.from_state(s["channel"]) if s["channel"] else None,
                 hist=LinearHistogram.from_state(s["hist"]) if s["hist"] else None,
-                log_hist=s["log_hist"], key_mass=s["key_mass"], key_mass_images=s["key_mass_images"],
+                log_hist=s["log_hist"], key_mass=s["key_mass"], key_mass_rows=s["key_mass_rows"],
                 absmax=s["absmax"], absmax_where=s["absmax_where"], reservoir=list(s["reservoir"]),
             )
         return cls(d["model_id"], d["weights_sha256"], d["image_ids"], stats, d["num_prefix_tokens"], d["seconds"],
@@ -281,7 +308,7 @@ def capture_activations(
     t0 = time.time()
     total = len(indices)
     with site_hooks(model, sites, on_tensor):
-        for xb, _, bid in iterate_batches(images, indices, loaded.transform, batch_size, loaded.info.input_size[0]):
+        for xb, _, bid in loaded.iterate(images, indices, batch_size):
             if cancel and cancel():
                 raise Cancelled("capture cancelled; nothing was written")
             batch_n = xb.shape[0]
@@ -337,8 +364,7 @@ def key_mass(st: SiteStats) -> torch.Tensor:
     """Mean attention mass each key token receives per query (1/N when uniform)."""
     if st.key_mass is None:
         raise ValueError(f"{st.site.name} is not a post-Softmax site")
-    n = st.key_mass.shape[0]
-    return st.key_mass / max(st.key_mass_images * n, 1)
+    return st.key_mass / st.key_mass_rows.clamp_min(1)
 
 
 def summary_rows(cap: Capture) -> list[dict[str, Any]]:

@@ -244,6 +244,10 @@ def resolve_images(loaded: Any, data: str | None = None, part: str = "eval") -> 
     """
     if part not in ("calib", "eval"):
         raise DataError(f"part must be 'calib' or 'eval', got {part!r}")
+    if getattr(loaded.info, "modality", "image") == "text":
+        from .text import resolve_texts
+
+        return resolve_texts(data)
     if data and data != "bundled":
         synsets = None
         if len(loaded.class_names) == 1000:

@@ -69,14 +69,23 @@ class ModelInfo:
 @dataclass
 class LoadedModel:
     model: nn.Module
-    transform: Callable[[Any], torch.Tensor]
+    transform: Callable[[Any], Any]  # image preprocessing, or the tokenizer for text models
     class_names: list[str]
     info: ModelInfo
     sites: list[Site]
+    batches: Callable[..., Any] | None = None  # (samples, indices, batch_size) -> batches
 
     @property
     def model_id(self) -> str:
         return self.info.model_id
+
+    def iterate(self, samples: Any, indices: Any, batch_size: int) -> Any:
+        """Model-ready batches ``(inputs, labels or None, ids)`` of ``samples[indices]``."""
+        if self.batches is not None:
+            return self.batches(samples, indices, batch_size)
+        from .data import iterate_batches
+
+        return iterate_batches(samples, indices, self.transform, batch_size, self.info.input_size[0])
 
 
 # ---------------------------------------------------------------- helpers
@@ -268,6 +277,7 @@ def load_model(spec: str, **kwargs: Any) -> LoadedModel:
     if not isinstance(spec, str) or not spec.strip():
         raise ModelLoadError(f"model spec must be a non-empty string, got {spec!r}")
     spec = spec.strip()
+    from . import text  # noqa: F401 - registers the text family's loader
     for pred, loader in LOADERS:
         if pred(spec):
             return loader(spec, **kwargs)

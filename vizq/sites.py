@@ -48,7 +48,9 @@ KIND_HELP = {
 
 @dataclass(frozen=True)
 class Site:
-    """One quantizable tensor. ``port``: 'output' / 'input' of ``module``, or 'weight'."""
+    """One quantizable tensor. ``port``: 'output' / 'input' of ``module``, 'weight', or
+    'consumers': observed at the module's output but quantized at the inputs of its
+    ``consumers`` (post-LN transformers, where the LN output is also the residual stream)."""
 
     name: str
     kind: str
@@ -131,7 +133,7 @@ def discover_sites(model: nn.Module) -> list[Site]:
                 # taps are registered after the attention's own children: keep the rule's order
                 key = order[path] + (i + 1) / 100 if rule is _attention_rule else order.get(s.module, order[path])
                 if s.kind == "residual":  # after everything inside the block
-                    key = max(i for n, i in order.items() if n == path or n.startswith(path + ".")) + 0.5
+                    key = max(i for n, i in order.items() if n == s.module or n.startswith(s.module + ".")) + 0.5
                 found.append((key, s))
     covered = {c for _, s in found for c in s.consumers}
     for path, m in modules:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..capture import Cancelled, site_hooks
-from ..quant import Quantizer, get_quantizer
+from ..quant import Quantizer, QuantizerError, get_quantizer
 from ..quant.step import StepFunction
 from ..sites import Site
 from .config import ConfigError, QuantConfig
@@ -37,16 +37,29 @@ class ActQuant:
         self.q: Quantizer = get_quantizer(spec.quantizer, spec.bits, **spec.options)
         self.shift = spec.shift
         self.step: StepFunction | None = None  # exact fast path, built after calibration
+        self.ratio: torch.Tensor | None = None  # consumer-side fold: quantize x / r - δ
+        self.delta: torch.Tensor | None = None
+        self._last: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
     def calibrate(self, x: torch.Tensor, score: Callable | None = None) -> None:
         self.q.calibrate(x + self.shift if self.shift else x, score=score)
         self.step = None
+        self._last = (None, None)
 
     def compile(self, sample: torch.Tensor | None = None) -> None:
         """Replace the formula by its exact step function where possible (inference speed)."""
         self.step = StepFunction.build(self.q, None if sample is None else sample + self.shift)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x is self._last[0]:  # q, k and v read the same LayerNorm output: quantize it once
+            return self._last[1]
+        out = self._quantize(x)
+        self._last = (x, out)
+        return out
+
+    def _quantize(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ratio is not None:
+            x = (x / self.ratio.to(x.dtype) - self.delta.to(x.dtype))
         xs = x + self.shift if self.shift else x
         out = self.step(xs) if self.step is not None and x.dtype == torch.float32 else self.q.fake_quant(xs)
         return out - self.shift if self.shift else out
@@ -80,8 +93,20 @@ class QuantizedModel(nn.Module):
                 self.fp_weights[s.module] = self.model.get_submodule(s.module).weight.detach().clone()
             else:
                 self.acts[s.name] = ActQuant(spec)
-        self._hook_ctx = site_hooks(self.model, [s for s in self.sites if s.name in self.acts or s.kind == "v"], self._on_tensor)
+        self._hook_ctx = site_hooks(self.model, self._hook_sites(), self._on_tensor)
         self._hook_ctx.__enter__()
+        self._collect: str | None = None  # progressive calibration: the site being collected
+        self._buffer: list[torch.Tensor] = []
+
+    def _hook_sites(self) -> list[Site]:
+        """Where hooks go: a consumers-port site becomes an input hook on each consumer."""
+        out = []
+        for s in self.sites:
+            if s.port == "consumers" and s.name in self.acts:
+                out += [Site(s.name, s.kind, c, "input", s.consumers, s.block) for c in s.consumers]
+            elif s.name in self.acts or s.kind == "v":
+                out.append(s)
+        return out
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,6 +130,10 @@ class QuantizedModel(nn.Module):
             if site.kind == "v":
                 self._stash[site.name] = x
             return None
+        if self._collect is not None and not aq.q.calibrated:
+            if site.name == self._collect and not (self._buffer and self._buffer[-1] is x):
+                self._buffer.append(x)  # a consumers-port site sees the same tensor once per consumer
+            return None  # sites after the collected one stay in float during this pass
         if not aq.q.calibrated:
             score = self._score_for(site, x) if self._score_on else None
             aq.calibrate(x[:SCORE_IMAGES] if score else x, score=score)
@@ -144,16 +173,27 @@ class QuantizedModel(nn.Module):
 
     # ---------------------------------------------------------------- calibration
     @torch.no_grad()
-    def calibrate(self, images: torch.Tensor, progress: Progress | None = None,
+    def calibrate(self, images: torch.Tensor | list[torch.Tensor], progress: Progress | None = None,
                   cancel: Callable[[], bool] | None = None) -> "QuantizedModel":
-        """Run the calibration procedure on one batch of images (N, C, H, W)."""
+        """Run the calibration procedure on one batch (N, …) or a list of batches.
+
+        One batch: a single forward calibrates every quantizer in network order. Several
+        batches (text, where batches hold sentences of equal length, or more images than fit
+        one batch): each activation quantizer in turn collects its input over all batches,
+        with the quantizers before it already calibrated and applied, then calibrates.
+        """
+        batches = images if isinstance(images, list) else [images]
         steps = 4
         self._step(progress, cancel, 0, steps, "quantizing weights")
         self._quantize_weights()
         self._step(progress, cancel, 1, steps, f"pass 1: calibrating {len(self.acts)} activation quantizers")
         for aq in self.acts.values():
             aq.q.state = {}
-        self.model(images)
+            aq._last = (None, None)
+        if len(batches) == 1:
+            self.model(batches[0])
+        else:
+            self._calibrate_progressive(batches, progress, cancel)
         mode = reparam_mode(self.config)
         self._step(progress, cancel, 2, steps, f"reparameterizing post-LN ({mode})")
         if mode != "none":
@@ -161,9 +201,31 @@ class QuantizedModel(nn.Module):
         self._step(progress, cancel, 3, steps, "pass 2: recalibrating weights")
         self._quantize_weights()
         self._stash.clear()
+        for aq in self.acts.values():
+            aq._last = (None, None)
         self.calibrated = True
         self._step(progress, cancel, 4, steps, "calibrated")
         return self
+
+    def _calibrate_progressive(self, batches: list[torch.Tensor], progress: Progress | None,
+                               cancel: Callable[[], bool] | None) -> None:
+        order = [s for s in self.sites if s.name in self.acts]
+        for i, s in enumerate(order):
+            self._step(None, cancel, 0, 0, "")
+            self._collect, self._buffer = s.name, []
+            try:
+                for b in batches:
+                    self.model(b)
+            finally:
+                self._collect = None
+            aq = self.acts[s.name]
+            if self._buffer:
+                x = merge_for_calibration(self._buffer, aq.q)
+                aq.calibrate(x)
+                aq.compile(x)
+            self._buffer = []
+            if progress:
+                progress(i + 1, len(order), f"calibrated {s.name}")
 
     @staticmethod
     def _step(progress: Progress | None, cancel: Callable[[], bool] | None, i: int, n: int, msg: str) -> None:
@@ -182,14 +244,18 @@ class QuantizedModel(nn.Module):
     def _reparameterize(self, mode: str) -> None:
         for s in self.sites:
             aq = self.acts.get(s.name)
-            if s.kind != "post_ln" or aq is None or aq.q.name != "uniform" or aq.q.axis != -1:
-                continue  # only per-channel uniform post-LN quantizers fold
+            if s.kind != "post_ln" or aq is None or aq.q.name != "uniform" or aq.q.axis != -1 or not s.consumers:
+                continue  # only per-channel uniform post-LN quantizers that feed Linears fold
             norm = self.model.get_submodule(s.module)
             consumers = [self.model.get_submodule(c) for c in s.consumers]
             for c, lin in zip(s.consumers, consumers):
                 lin.weight.data.copy_(self.fp_weights[c])
             fold = fold_factors(aq.q.state["scale"], aq.q.state["zero_point"], mode)
-            apply_fold(norm, consumers, fold)
+            if s.port == "consumers":  # post-LN: the LN output is also the residual; leave the LN alone
+                apply_fold(None, consumers, fold)
+                aq.ratio, aq.delta = fold.ratio.float(), fold.delta.float()
+            else:
+                apply_fold(norm, consumers, fold)
             for c, lin in zip(s.consumers, consumers):
                 self.fp_weights[c] = lin.weight.detach().clone()
             self.folds[s.name] = fold
@@ -217,6 +283,29 @@ class QuantizedModel(nn.Module):
                 row[f"{k}_max"] = float(v.max())
             rows.append(row)
         return rows
+
+
+def merge_for_calibration(xs: list[torch.Tensor], q: Quantizer) -> torch.Tensor:
+    """One calibration tensor from batches whose token counts differ, keeping the rank and
+    the position of the quantizer's group axis (so the calibrated axis applies to the batches)."""
+    from ..quant import GRANULARITY_AXES
+
+    if all(x.shape[1:] == xs[0].shape[1:] for x in xs):
+        return torch.cat(xs, 0)
+    rank = xs[0].dim()
+    axis = GRANULARITY_AXES.get(q.options.get("granularity", "tensor"))
+    if axis is None:
+        flat = torch.cat([x.reshape(-1) for x in xs])
+        return flat.reshape(-1, *([1] * (rank - 1)))
+    axis = axis % rank
+    if any(x.shape[axis] != xs[0].shape[axis] for x in xs):
+        raise QuantizerError(f"{q.name}: granularity {q.options['granularity']!r} groups along an axis whose "
+                             "size differs between batches (token positions); use per-tensor or per-channel")
+    groups = torch.cat([x.movedim(axis, 0).reshape(x.shape[axis], -1) for x in xs], 1)  # [G, M]
+    other = 0 if axis != 0 else rank - 1
+    shape = [1] * rank
+    shape[axis], shape[other] = groups.shape
+    return (groups if axis < other else groups.T).contiguous().reshape(shape)
 
 
 def quantize_model(loaded: Any, config: QuantConfig, calib_images: torch.Tensor,

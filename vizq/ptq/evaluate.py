@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..capture import Cancelled, site_hooks
-from ..data import ImageSet, iterate_batches, pick, resolve_images, split_indices
+from ..data import ImageSet, pick, resolve_images, split_indices
 from .config import QuantConfig
 from .engine import QuantizedModel
 
@@ -34,12 +34,13 @@ class EvalResult:
     fp_top5: float | None
     q_top5: float | None
     agreement: float
-    kl: float
+    kl: float | None
     seconds_calibrate: float
     seconds_eval: float
     site_sqnr_db: dict[str, float] = field(default_factory=dict)
     skipped_images: int = 0
     config: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)  # family-specific (text: cosine, recall@10)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,7 +96,7 @@ def evaluate(loaded: Any, qmodel: QuantizedModel, images: ImageSet, indices: Seq
     t0 = time.time()
     total = len(indices)
     with site_hooks(fp_model, watch, keep_fp), site_hooks(qmodel.model, watch, compare_q):
-        for xb, yb, _ in iterate_batches(images, indices, loaded.transform, batch_size, loaded.info.input_size[0]):
+        for xb, yb, _ in loaded.iterate(images, indices, batch_size):
             if cancel and cancel():
                 raise Cancelled("evaluation cancelled; no result was written")
             xb = xb.to(device)
@@ -121,8 +122,61 @@ def evaluate(loaded: Any, qmodel: QuantizedModel, images: ImageSet, indices: Seq
     )
 
 
-def calibration_batch(loaded: Any, config: QuantConfig, data: str | None = None) -> tuple[torch.Tensor, list[str]]:
-    """The seeded calibration images as one tensor, and their ids (for the manifest)."""
+@torch.no_grad()
+def evaluate_embeddings(loaded: Any, qmodel: QuantizedModel, texts: ImageSet, indices: Sequence[int],
+                        batch_size: int = 64, device: str | torch.device = "cpu", site_sqnr: bool = True,
+                        progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
+                        calib_images: int = 0, seconds_calibrate: float = 0.0) -> EvalResult:
+    """Label-free evaluation of a sentence encoder: mean cosine(FP, Q) of the embeddings and
+    nearest-neighbour retrieval agreement among the evaluated sentences (top-1 neighbour the
+    same; recall@10 of the FP top-10 neighbours in the quantized top-10)."""
+    fp_model = loaded.model.to(device)
+    qmodel.to(device)
+    fps, qs = [], []
+    t0 = time.time()
+    total = len(indices)
+    for xb, _, _ in loaded.iterate(texts, indices, batch_size):
+        if cancel and cancel():
+            raise Cancelled("evaluation cancelled; no result was written")
+        xb = xb.to(device)
+        fps.append(fp_model(xb).float().cpu())
+        qs.append(qmodel(xb).float().cpu())
+        if progress:
+            done = sum(len(f) for f in fps)
+            progress(done, total, f"{done}/{total} sentences")
+    if not fps:
+        raise ValueError("no evaluation sentence could be read")
+    fp, q = torch.cat(fps), torch.cat(qs)
+    m = retrieval_metrics(fp, q)
+    cfg = qmodel.config
+    return EvalResult(
+        model=loaded.info.model_id, method=cfg.method, wbits=cfg.wbits, abits=cfg.abits,
+        calib_images=calib_images, eval_images=len(fp), fp_top1=None, q_top1=None, fp_top5=None, q_top5=None,
+        agreement=m["nn_top1_agreement"], kl=None, seconds_calibrate=seconds_calibrate, seconds_eval=time.time() - t0,
+        skipped_images=0, config=cfg.to_dict(), metrics=m,
+    )
+
+
+def retrieval_metrics(fp: torch.Tensor, q: torch.Tensor, k: int = 10) -> dict[str, float]:
+    """Cosine between paired embeddings and neighbour agreement (self excluded), in percent."""
+    fp = torch.nn.functional.normalize(fp.double(), dim=-1)
+    q = torch.nn.functional.normalize(q.double(), dim=-1)
+    cos = (fp * q).sum(-1)
+    n = fp.shape[0]
+    k = min(k, n - 1)
+    eye = torch.eye(n, dtype=torch.bool)
+    sf = (fp @ fp.T).masked_fill(eye, -2)
+    sq = (q @ q.T).masked_fill(eye, -2)
+    tf, tq = sf.topk(k, -1).indices, sq.topk(k, -1).indices
+    top1 = (tf[:, 0] == tq[:, 0]).double().mean()
+    recall = torch.tensor([len(set(a.tolist()) & set(b.tolist())) / k for a, b in zip(tf, tq)]).mean()
+    return {"mean_cosine": float(cos.mean()), "min_cosine": float(cos.min()),
+            "nn_top1_agreement": 100 * float(top1), f"recall_at_{k}": 100 * float(recall)}
+
+
+def calibration_batch(loaded: Any, config: QuantConfig, data: str | None = None) -> tuple[Any, list[str]]:
+    """The seeded calibration samples, and their ids (for the manifest): one tensor for
+    images, a list of equal-length batches for text."""
     cal = config.calibration
     images = resolve_images(loaded, data, "calib")
     if data and data != "bundled":
@@ -130,11 +184,13 @@ def calibration_batch(loaded: Any, config: QuantConfig, data: str | None = None)
     else:
         idx = pick(len(images), cal.images, cal.seed)
     xs, ids = [], []
-    for xb, _, bid in iterate_batches(images, idx, loaded.transform, cal.batch_size, loaded.info.input_size[0]):
+    for xb, _, bid in loaded.iterate(images, idx, cal.batch_size):
         xs.append(xb)
         ids.extend(bid)
     if not xs:
         raise ValueError("no calibration image could be read")
+    if loaded.info.modality == "text":
+        return xs, ids
     return torch.cat(xs), ids
 
 
@@ -159,11 +215,13 @@ def run_eval(loaded: Any, config: QuantConfig, data: str | None = None, n_eval: 
         n_cal = len(ids)
         qmodel = QuantizedModel(loaded, config)
         qmodel.calib_ids = ids
-        qmodel.calibrate(calib.to(device) if device != "cpu" else calib, cancel=cancel)
+        calib = [c.to(device) for c in calib] if isinstance(calib, list) else calib.to(device)
+        qmodel.calibrate(calib, cancel=cancel)
     t_cal = time.time() - t0
     images, idx = eval_split(loaded, config, data, n_eval)
-    res = evaluate(loaded, qmodel, images, idx, batch_size, device, progress=progress, cancel=cancel,
-                   calib_images=n_cal, seconds_calibrate=t_cal)
+    fn = evaluate_embeddings if loaded.info.modality == "text" else evaluate
+    res = fn(loaded, qmodel, images, idx, batch_size, device, progress=progress, cancel=cancel,
+             calib_images=n_cal, seconds_calibrate=t_cal)
     return res, qmodel
 
 

@@ -46,9 +46,10 @@ def _changed_params(qm: QuantizedModel) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for site_name in qm.folds:
         s = next(s for s in qm.sites if s.name == site_name)
-        norm = qm.model.get_submodule(s.module)
-        out[f"{s.module}.weight"] = norm.weight.detach().clone()
-        out[f"{s.module}.bias"] = norm.bias.detach().clone()
+        if s.port != "consumers":  # post-LN folds leave the LayerNorm untouched
+            norm = qm.model.get_submodule(s.module)
+            out[f"{s.module}.weight"] = norm.weight.detach().clone()
+            out[f"{s.module}.bias"] = norm.bias.detach().clone()
         for c in s.consumers:
             out[f"{c}.weight"] = qm.fp_weights[c].clone()
             out[f"{c}.bias"] = qm.model.get_submodule(c).bias.detach().clone()
@@ -97,6 +98,10 @@ def export(qm: QuantizedModel, out_dir: str | Path, calib_ids: list[str] | None 
             continue
         for k, v in q.state.items():
             tensors[f"{key}/{k}"] = v.detach().cpu().contiguous()
+        aq = qm.acts.get(s.name)
+        if aq is not None and aq.ratio is not None:
+            tensors[f"fold/{s.name}/ratio"] = aq.ratio.detach().cpu().contiguous()
+            tensors[f"fold/{s.name}/delta"] = aq.delta.detach().cpu().contiguous()
         sites_json.append({
             "site": s.name, "kind": s.kind, "quantizer": q.name, "bits": q.bits, "granularity": _granularity(q),
             "options": q.options, "axis": q.axis, "shift": shift, "folded": s.name in qm.folds,
@@ -169,6 +174,9 @@ def load_export(path: str | Path, loaded: Any) -> QuantizedModel:
         else:
             aq = qm.acts[row["site"]]
             aq.q, aq.shift = q, row["shift"]
+            if f"fold/{row['site']}/ratio" in tensors:
+                aq.ratio = tensors[f"fold/{row['site']}/ratio"]
+                aq.delta = tensors[f"fold/{row['site']}/delta"]
             aq.spec = Spec(q.name, q.bits, dict(q.options), row["shift"])
             aq.compile()
             if row["folded"]:

@@ -46,15 +46,19 @@ def fold_factors(scale: Tensor, zero_point: Tensor, mode: str = "mean") -> Fold:
 
 
 @torch.no_grad()
-def apply_fold(norm: nn.LayerNorm, consumers: list[nn.Linear], fold: Fold) -> None:
-    """Fold in place (call it on a copy). Creates the consumer bias if it had none (Swin)."""
-    if norm.weight is None or norm.bias is None:
-        raise ValueError("reparameterization needs a LayerNorm with affine weight and bias")
+def apply_fold(norm: nn.LayerNorm | None, consumers: list[nn.Linear], fold: Fold) -> None:
+    """Fold in place (call it on a copy). Creates the consumer bias if it had none (Swin).
+
+    ``norm=None`` folds only into the consumers: the caller then feeds them x/r − δ instead of
+    x (post-LN blocks, whose LayerNorm output is also the residual stream).
+    """
     r, d = fold.ratio, fold.delta
-    g = norm.weight.double()
-    b = norm.bias.double()
-    norm.weight.copy_((g / r).to(norm.weight.dtype))
-    norm.bias.copy_((b / r - d).to(norm.bias.dtype))
+    if norm is not None:
+        if norm.weight is None or norm.bias is None:
+            raise ValueError("reparameterization needs a LayerNorm with affine weight and bias")
+        g, b = norm.weight.double(), norm.bias.double()
+        norm.weight.copy_((g / r).to(norm.weight.dtype))
+        norm.bias.copy_((b / r - d).to(norm.bias.dtype))
     for lin in consumers:
         w = lin.weight.double() * r[None, :]
         bias = lin.bias.double() if lin.bias is not None else torch.zeros(w.shape[0], dtype=torch.float64)
