@@ -20,17 +20,26 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(PRESETS))
     a = ap.parse_args()
     lm = load_model(a.model)
-    print("| method | W/A | top-1 (%) | agreement (%) | KL(FP‖Q) | calib s |")
+    text = lm.info.modality == "text"
+    if text:
+        print("| method | W/A | mean cosine | NN top-1 agreement (%) | recall@10 (%) | calib s |")
+    else:
+        print("| method | W/A | top-1 (%) | agreement (%) | KL(FP‖Q) | calib s |")
     print("|---|---|---|---|---|---|")
     fp = None
     for m in a.methods.split(","):
-        for b in (int(x) for x in a.bits.split(",")):
+        for b in (int(x) for x in a.bits.split(",")):  # highest precision last
             res, qm = run_eval(lm, QuantConfig(method=m, wbits=b, abits=b), n_eval=a.images)
             qm.remove_hooks()
             fp = res.fp_top1
             wa = "FP formats" if PRESETS[m].fixed_format else f"{b}/{b}"
-            top = f"{res.q_top1:.2f}" if res.q_top1 is not None else "-"
-            print(f"| {m} | {wa} | {top} | {res.agreement:.2f} | {res.kl:.4f} | {res.seconds_calibrate:.1f} |", flush=True)
+            if text:
+                mt = res.metrics
+                print(f"| {m} | {wa} | {mt['mean_cosine']:.4f} | {mt['nn_top1_agreement']:.1f} | {mt['recall_at_10']:.1f} "
+                      f"| {res.seconds_calibrate:.1f} |", flush=True)
+            else:
+                top = f"{res.q_top1:.2f}" if res.q_top1 is not None else "-"
+                print(f"| {m} | {wa} | {top} | {res.agreement:.2f} | {res.kl:.4f} | {res.seconds_calibrate:.1f} |", flush=True)
             if PRESETS[m].fixed_format:
                 break
     print(f"\nfull precision top-1: {fp}")

@@ -4,6 +4,7 @@ import streamlit as st
 
 from vizq.capture import summary_rows
 from vizq.models import BUNDLED, SUPPORTED_ARCHS
+from vizq.text import MINILM
 from vizq.sites import KIND_HELP, count_by_kind
 from vizq.ui.state import chart_table, current_capture, current_model, guard, save_upload
 
@@ -12,20 +13,23 @@ s = st.session_state
 archs = [a for names in SUPPORTED_ARCHS.values() for a in names]
 
 with st.form("model"):
-    mode = st.radio("Model", ["bundled", "timm", "checkpoint"], horizontal=True, key="model_mode_widget",
-                    index=["bundled", "timm", "checkpoint"].index(s.model_mode),
+    modes = ["bundled", "timm", "checkpoint", "text"]
+    mode = st.radio("Model", modes, horizontal=True, key="model_mode_widget", index=modes.index(s.model_mode),
                     format_func={"bundled": f"Bundled ({BUNDLED})", "timm": "timm architecture",
-                                 "checkpoint": "Local checkpoint"}.get)
+                                 "checkpoint": "Local checkpoint",
+                                 "text": f"Text encoder ({MINILM}, real pretrained weights)"}.get)
     arch = st.selectbox("Architecture (timm name; tags like .augreg_in21k_ft_in1k go in the box below)", archs)
     tag = st.text_input("Optional tag", "")
     random_init = st.checkbox("Random init (no download; for structure)", value=True)
     img_size = st.number_input("Input size (timm architectures)", 32, 1024, 224, step=16)
-    ckpt_path = st.text_input("Checkpoint path (.safetensors / .pth)", "")
+    ckpt_path = st.text_input("Checkpoint path (.safetensors / .pth), or a BERT folder with config.json for text", "")
     ckpt_file = st.file_uploader("…or upload a checkpoint", type=["safetensors", "pth", "pt"])
     if st.form_submit_button("Load model", type="primary"):
         kwargs = {} if mode == "bundled" else {"img_size": int(img_size)} if img_size != 224 else {}
         if mode == "bundled":
             spec = BUNDLED
+        elif mode == "text":
+            spec, kwargs = (ckpt_path.strip() or MINILM), {}
         elif mode == "timm":
             spec = ("random:" if random_init else "") + arch + (f".{tag.lstrip('.')}" if tag and not random_init else "")
         else:
@@ -41,8 +45,10 @@ with st.form("data"):
                      index=["bundled", "folder", "upload"].index(s.data_mode),
                      format_func={"bundled": "Bundled set", "folder": "Folder on this machine",
                                   "upload": "Upload images"}.get)
-    path = st.text_input("Folder (ImageNet val layout with synset folders, or a flat folder)", s.data_path)
-    files = st.file_uploader("Images", type=["jpg", "jpeg", "png", "webp", "bmp"], accept_multiple_files=True)
+    path = st.text_input("Folder (ImageNet val layout with synset folders, or a flat folder); "
+                         "for text models a UTF-8 file with one sentence per line", s.data_path)
+    files = st.file_uploader("Images (or one .txt file of sentences for text models)",
+                             type=["jpg", "jpeg", "png", "webp", "bmp", "txt"], accept_multiple_files=True)
     c1, c2 = st.columns(2)
     n = c1.number_input("Images to capture", 1, 10000, int(s.n_images))
     seed = c2.number_input("Seed", 0, 2**31 - 1, int(s.seed))
@@ -61,7 +67,8 @@ for c, (label, value) in zip(cols, [("family", info.family), ("blocks", info.num
                                     ("patch grid", "×".join(map(str, info.patch_grid)) or "-"),
                                     ("weights", info.weights_source)]):
     c.metric(label, value)
-st.caption(f"weights sha256 {info.weights_sha256[:16]}… · {len(lm.class_names)} classes")
+st.caption(f"weights sha256 {info.weights_sha256[:16]}… · "
+           + (f"{len(lm.class_names)} classes" if info.modality == "image" else "sentence embeddings, no padding"))
 kinds = pd.DataFrame([{"kind": k, "sites": v, "what": KIND_HELP[k]} for k, v in count_by_kind(lm.sites).items()])
 st.dataframe(kinds, hide_index=True, width="stretch")
 

@@ -13,7 +13,10 @@ st.title("Evaluate")
 lm = current_model()
 s = st.session_state
 data = s.data_path if s.data_mode == "folder" else None
-if s.data_mode == "upload":
+if lm.info.modality == "text":
+    st.info("Sentence encoder: evaluation compares quantized with full-precision embeddings (mean cosine) and "
+            "nearest-neighbour retrieval among the evaluated sentences (top-1 agreement, recall@10).")
+elif s.data_mode == "upload":
     st.info("Uploaded images have no labels: evaluation reports agreement with full precision and KL.")
 
 with guard("Checking the configuration"):
@@ -28,11 +31,19 @@ def evaluate_and_record(lm, cfg, data, n_eval, progress=None, cancel=None):
     return append_run(rec), res
 
 
+def summary(rec):
+    parts = [f"top-1 {rec['q_top1']:.2f}% (FP {rec['fp_top1']:.2f}%)"] if rec.get("q_top1") is not None else []
+    parts.append(f"agreement {rec['agreement']:.2f}%")
+    if rec.get("kl") is not None:
+        parts.append(f"KL {rec['kl']:.4f}")
+    parts += [f"{k} {v:.3f}" for k, v in rec.get("metrics", {}).items()]
+    return ", ".join(parts)
+
+
 def on_done(out):
     rec, res = out
     s.last_config = cfg
-    top = f"top-1 {rec['q_top1']:.2f}% (FP {rec['fp_top1']:.2f}%), " if rec["q_top1"] is not None else ""
-    s.eval_message = f"{rec['method']} W{rec['wbits']}A{rec['abits']}: {top}agreement {rec['agreement']:.2f}%, KL {rec['kl']:.4f}"
+    s.eval_message = f"{rec['method']} W{rec['wbits']}A{rec['abits']}: " + summary(rec)
     s.last_sqnr = res.site_sqnr_db
 
 
@@ -55,7 +66,9 @@ if hist:
     chart(*plots.accuracy_vs_bits(hist, metric), "history-chart")
     cols = ["time", "method", "wbits", "abits", "calib_images", "eval_images", "fp_top1", "q_top1", "agreement", "kl",
             "seconds_calibrate", "seconds_eval"]
-    chart_table(pd.DataFrame(hist)[cols], "history")
+    table = pd.DataFrame(hist)
+    extra = pd.json_normalize(table.pop("metrics")) if "metrics" in table else pd.DataFrame()
+    chart_table(pd.concat([table[[c for c in cols if c in table]], extra], axis=1), "history")
     if c2.button("Clear history"):
         clear_history()
         st.rerun()

@@ -62,4 +62,6 @@ if up is not None:
 jobs.show("import-job", lambda res: s.update(import_result=res.to_dict()))
 if s.get("import_result"):
     r = s.import_result
-    st.success(f"{r['method']} W{r['wbits']}A{r['abits']}: top-1 {r['q_top1']}, agreement {r['agreement']:.2f}%, KL {r['kl']:.4f}")
+    extra = ", ".join(f"{k} {v:.3f}" for k, v in r.get("metrics", {}).items())
+    st.success(f"{r['method']} W{r['wbits']}A{r['abits']}: top-1 {r['q_top1']}, agreement {r['agreement']:.2f}%"
+               + (f", KL {r['kl']:.4f}" if r.get("kl") is not None else "") + (f", {extra}" if extra else ""))

@@ -197,7 +197,8 @@ def cmd_eval(a: argparse.Namespace) -> int:
     d = res.to_dict()
     keys = ["model", "method", "wbits", "abits", "calib_images", "eval_images", "fp_top1", "q_top1", "fp_top5",
             "q_top5", "agreement", "kl", "seconds_calibrate", "seconds_eval"]
-    print_table([{k: d[k] for k in keys}])
+    row = {k: d[k] for k in keys if d[k] is not None}
+    print_table([{**row, **d["metrics"]}])
     worst = sorted(d["site_sqnr_db"].items(), key=lambda kv: kv[1])[:5]
     if worst:
         print("lowest site SQNR (dB): " + ", ".join(f"{k} {v:.1f}" for k, v in worst))

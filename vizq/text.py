@@ -168,6 +168,7 @@ def load_text_model(spec: str, **_: Any):  # noqa: ANN201 - models.LoadedModel
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"{folder} has no config.json; pass a BERT-family model folder or {MINILM!r}")
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
         bert = AutoModel.from_pretrained(str(folder), attn_implementation="eager", add_pooling_layer=False,

@@ -29,6 +29,10 @@ Progress = Callable[[int, int, str], None]
 SCORE_IMAGES = 8  # output-scored searches look at this many images of the batch
 
 
+class _StopForward(Exception):
+    """Ends a calibration forward early once every site being collected has been seen."""
+
+
 class ActQuant:
     """An activation quantizer plus AdaLog-style shift: x̂ = Q(x + η) − η (bias folding)."""
 
@@ -95,8 +99,8 @@ class QuantizedModel(nn.Module):
                 self.acts[s.name] = ActQuant(spec)
         self._hook_ctx = site_hooks(self.model, self._hook_sites(), self._on_tensor)
         self._hook_ctx.__enter__()
-        self._collect: str | None = None  # progressive calibration: the site being collected
-        self._buffer: list[torch.Tensor] = []
+        self._collect: set[str] | None = None  # progressive calibration: the sites being collected
+        self._buffers: dict[str, list[torch.Tensor]] = {}
 
     def _hook_sites(self) -> list[Site]:
         """Where hooks go: a consumers-port site becomes an input hook on each consumer."""
@@ -131,9 +135,14 @@ class QuantizedModel(nn.Module):
                 self._stash[site.name] = x
             return None
         if self._collect is not None and not aq.q.calibrated:
-            if site.name == self._collect and not (self._buffer and self._buffer[-1] is x):
-                self._buffer.append(x)  # a consumers-port site sees the same tensor once per consumer
-            return None  # sites after the collected one stay in float during this pass
+            if site.name in self._collect:
+                buf = self._buffers[site.name]
+                if not (buf and buf[-1] is x):  # a consumers-port site sees one tensor per consumer
+                    buf.append(x)
+                self._seen.add(site.name)
+                if self._seen >= self._collect:
+                    raise _StopForward  # the rest of the network is not needed for this block
+            return None
         if not aq.q.calibrated:
             score = self._score_for(site, x) if self._score_on else None
             aq.calibrate(x[:SCORE_IMAGES] if score else x, score=score)
@@ -209,23 +218,38 @@ class QuantizedModel(nn.Module):
 
     def _calibrate_progressive(self, batches: list[torch.Tensor], progress: Progress | None,
                                cancel: Callable[[], bool] | None) -> None:
-        order = [s for s in self.sites if s.name in self.acts]
-        for i, s in enumerate(order):
+        """Block by block: the quantizers of one block collect their inputs over every batch
+        (earlier blocks already quantized; the forward stops once the block is seen), then
+        calibrate. Within a block, later quantizers see that block's tensors in float."""
+        stage_of: dict[str, int] = {}
+        stage = 0
+        for s in self.sites:
+            if s.kind == "residual":
+                stage += 1
+            elif s.name in self.acts:
+                stage_of[s.name] = stage
+        stages = sorted(set(stage_of.values()))
+        for i, st in enumerate(stages):
             self._step(None, cancel, 0, 0, "")
-            self._collect, self._buffer = s.name, []
+            names = [n for n, v in stage_of.items() if v == st]
+            self._collect, self._buffers = set(names), {n: [] for n in names}
             try:
                 for b in batches:
-                    self.model(b)
+                    self._seen: set[str] = set()
+                    try:
+                        self.model(b)
+                    except _StopForward:
+                        pass
             finally:
                 self._collect = None
-            aq = self.acts[s.name]
-            if self._buffer:
-                x = merge_for_calibration(self._buffer, aq.q)
-                aq.calibrate(x)
-                aq.compile(x)
-            self._buffer = []
+            for n in names:
+                if self._buffers[n]:
+                    x = merge_for_calibration(self._buffers[n], self.acts[n].q)
+                    self.acts[n].calibrate(x)
+                    self.acts[n].compile(x)
+            self._buffers = {}
             if progress:
-                progress(i + 1, len(order), f"calibrated {s.name}")
+                progress(i + 1, len(stages), f"calibrated block {i + 1}/{len(stages)}")
 
     @staticmethod
     def _step(progress: Progress | None, cancel: Callable[[], bool] | None, i: int, n: int, msg: str) -> None:

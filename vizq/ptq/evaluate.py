@@ -179,10 +179,10 @@ def calibration_batch(loaded: Any, config: QuantConfig, data: str | None = None)
     images, a list of equal-length batches for text."""
     cal = config.calibration
     images = resolve_images(loaded, data, "calib")
-    if data and data != "bundled":
-        idx, _ = split_indices(len(images), cal.images, 0, cal.seed)
-    else:
+    if _has_own_split(loaded, data):
         idx = pick(len(images), cal.images, cal.seed)
+    else:
+        idx, _ = split_indices(len(images), min(cal.images, len(images)), 0, cal.seed)
     xs, ids = [], []
     for xb, _, bid in loaded.iterate(images, idx, cal.batch_size):
         xs.append(xb)
@@ -197,11 +197,21 @@ def calibration_batch(loaded: Any, config: QuantConfig, data: str | None = None)
 def eval_split(loaded: Any, config: QuantConfig, data: str | None, n_eval: int, seed: int = 0) -> tuple[ImageSet, list[int]]:
     """Evaluation images, disjoint from calibration (held-out split, or the folder's remainder)."""
     images = resolve_images(loaded, data, "eval")
-    if data and data != "bundled":
-        _, idx = split_indices(len(images), min(config.calibration.images, len(images)), n_eval, config.calibration.seed)
-    else:
+    if _has_own_split(loaded, data):
         idx = pick(len(images), n_eval, seed)
+    else:
+        _, idx = split_indices(len(images), min(config.calibration.images, len(images)), n_eval, config.calibration.seed)
+    if not idx:
+        raise ValueError(f"no images are left for evaluation after the {config.calibration.images} calibration images; "
+                         "use fewer calibration images or more data")
     return images, idx
+
+
+def _has_own_split(loaded: Any, data: str | None) -> bool:
+    """Bundled sets with a training/held-out split (the digits) vs one pool that must be split."""
+    from ..data import BUNDLED_SETS
+
+    return (not data or data == "bundled") and loaded.info.model_id in BUNDLED_SETS
 
 
 def run_eval(loaded: Any, config: QuantConfig, data: str | None = None, n_eval: int = 1000, device: str = "cpu",

@@ -77,6 +77,11 @@ def current_images(lm: Any, part: str = "eval") -> Any:
 
     s = st.session_state
     with guard("Reading images"):
+        if s.data_mode == "upload" and lm.info.modality == "text":
+            from ..text import text_lines
+
+            lines = [ln for _, b in s.uploads for ln in b.decode("utf-8", errors="replace").splitlines()]
+            return text_lines(lines, "uploads")
         if s.data_mode == "upload":
             return uploaded_images(s.uploads)
         return resolve_images(lm, s.data_path if s.data_mode == "folder" else None, part)
