@@ -42,7 +42,8 @@ def main() -> None:
                 print(f"| {m} | {wa} | {top} | {res.agreement:.2f} | {res.kl:.4f} | {res.seconds_calibrate:.1f} |", flush=True)
             if PRESETS[m].fixed_format:
                 break
-    print(f"\nfull precision top-1: {fp}")
+    if not text:
+        print(f"\nfull precision top-1: {fp}")
 
 
 if __name__ == "__main__":

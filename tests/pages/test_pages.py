@@ -124,3 +124,19 @@ def test_export_download_loads_back_bit_exactly(app, tmp_path):
     x = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
         assert torch.equal(back(x), fresh(x))
+
+
+def test_every_page_accepts_the_text_model(app):
+    at = app
+    at.session_state["model_mode"] = "text"
+    at.session_state["model_spec"] = "minilm-l6"
+    at.session_state["n_images"] = 16
+    for page in PAGES:
+        at.switch_page(page)
+        at.run()
+        assert not at.exception, (page, [e.value for e in at.exception])
+        assert not at.error, (page, [e.value for e in at.error])
+    at.switch_page("pages/2_softmax.py")
+    at.run()
+    assert any("reads text" in i.value for i in at.info)  # the image overlay says why it is hidden
+    assert len(at.get("plotly_chart")) >= 3
