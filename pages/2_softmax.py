@@ -4,15 +4,10 @@ import streamlit as st
 
 from vizq import plots
 from vizq.capture import key_mass, powerlaw_tail
-from vizq.ui.state import chart, current_capture, current_images, current_model, guard, image_model_only
+from vizq.ui.state import chart, current_images, guard, image_model_only, page_capture
 
 st.title("Softmax explorer")
-lm = current_model()
-cap = current_capture(lm)
-names = [n for n, st_ in cap.stats.items() if st_.site.kind == "post_softmax"]
-if not names:
-    st.info("This capture has no post-Softmax sites.")
-    st.stop()
+lm, cap, names = page_capture("post_softmax", "post-Softmax")
 
 c1, c2 = st.columns([2, 3])
 site = c1.selectbox("Layer", names, index=min(2, len(names) - 1))

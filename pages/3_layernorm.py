@@ -5,15 +5,10 @@ from vizq import plots
 from vizq.capture import channel_variation
 from vizq.ptq.reparam import preview_ranges
 from vizq.quant import get_quantizer
-from vizq.ui.state import chart, current_capture, current_model, guard
+from vizq.ui.state import chart, guard, page_capture
 
 st.title("LayerNorm explorer")
-lm = current_model()
-cap = current_capture(lm)
-names = [n for n, s in cap.stats.items() if s.site.kind == "post_ln"]
-if not names:
-    st.info("This capture has no post-LayerNorm sites.")
-    st.stop()
+lm, cap, names = page_capture("post_ln", "post-LayerNorm")
 
 with guard("Computing inter-channel variation"):
     rows = [{"site": n, "block": cap.site(n).site.block if cap.site(n).site.block is not None else "merge",

@@ -149,6 +149,8 @@ def _ptq_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default="bundled", help="'bundled' or an image folder (ImageFolder / flat)")
     p.add_argument("--config", default=None, help="a QuantConfig JSON/YAML, or an export folder to reuse")
+    p.add_argument("--recon-iters", type=int, default=0,
+                   help="block reconstruction steps per block after calibration (I&S-ViT/DopQ-ViT style; slow on CPU)")
     p.add_argument("--override", action="append", default=[],
                    help="SITE_GLOB_OR_KIND=QUANTIZER[:bits=N][:key=value] (repeatable)")
 
@@ -171,7 +173,7 @@ def config_from_args(a: argparse.Namespace):  # noqa: ANN201
         if opts:
             rule["options"] = opts
         overrides[key] = rule
-    return QuantConfig(method=a.method, wbits=a.wbits, abits=a.abits, overrides=overrides,
+    return QuantConfig(method=a.method, wbits=a.wbits, abits=a.abits, overrides=overrides, recon_iters=a.recon_iters,
                        calibration={"images": a.calib, "seed": a.seed, "batch_size": a.batch_size})
 
 

@@ -21,7 +21,7 @@ from ..capture import Cancelled, site_hooks
 from ..quant import Quantizer, QuantizerError, get_quantizer
 from ..quant.step import StepFunction
 from ..sites import Site
-from .config import ConfigError, QuantConfig
+from .config import QuantConfig
 from .presets import OUTPUT_SCORED, PRESETS, Spec, plan, reparam_mode
 from .reparam import Fold, apply_fold, fold_factors
 
@@ -74,9 +74,10 @@ class QuantizedModel(nn.Module):
 
     def __init__(self, loaded: Any, config: QuantConfig) -> None:
         super().__init__()
-        if config.recon_iters:
-            raise ConfigError("recon_iters: block reconstruction is not available in this version; set it to 0")
         self.model = copy.deepcopy(loaded.model)
+        self._fp = [loaded.model]  # the float original, for reconstruction (a list: not a submodule)
+        self.ste = False  # straight-through gradients through activation quantizers (reconstruction)
+        self.recon_modules: list[str] = []
         self.info = loaded.info
         self.config = config
         self.sites: list[Site] = list(loaded.sites)
@@ -152,7 +153,7 @@ class QuantizedModel(nn.Module):
             out = aq(x)
         if site.kind == "v":
             self._stash[site.name] = out
-        return out
+        return x + (out - x).detach() if self.ste else out
 
     def _score_for(self, site: Site, x: torch.Tensor) -> Callable | None:
         """Score searches by the error of the operation the tensor feeds (AdaLog's FPCS)."""
@@ -210,6 +211,11 @@ class QuantizedModel(nn.Module):
         self._step(progress, cancel, 3, steps, "pass 2: recalibrating weights")
         self._quantize_weights()
         self._stash.clear()
+        if self.config.recon_iters:
+            from .recon import reconstruct
+
+            self.recon_modules = reconstruct(self, self._fp[0], batches if len(batches) > 1 else batches[0],
+                                             self.config.recon_iters, progress=progress, cancel=cancel)
         for aq in self.acts.values():
             aq._last = (None, None)
         self.calibrated = True

@@ -53,6 +53,8 @@ def _changed_params(qm: QuantizedModel) -> dict[str, torch.Tensor]:
         for c in s.consumers:
             out[f"{c}.weight"] = qm.fp_weights[c].clone()
             out[f"{c}.bias"] = qm.model.get_submodule(c).bias.detach().clone()
+    for path in qm.recon_modules:  # weights trained by block reconstruction
+        out[f"{path}.weight"] = qm.fp_weights[path].clone()
     return out
 
 
@@ -116,6 +118,7 @@ def export(qm: QuantizedModel, out_dir: str | Path, calib_ids: list[str] | None 
         "calibration_image_ids": list(calib_ids or getattr(qm, "calib_ids", [])),
         "seed": qm.config.calibration.seed, "versions": _versions(), "aimet_skipped": skipped,
         "folded_sites": list(qm.folds),
+        "recon_modules": list(qm.recon_modules),
     }
     with atomic.atomic_dir(out_dir) as tmp:
         (tmp / "config.json").write_text(qm.config.to_json() + "\n")
@@ -183,4 +186,5 @@ def load_export(path: str | Path, loaded: Any) -> QuantizedModel:
                 qm.folds[row["site"]] = None  # type: ignore[assignment] - folded, factors not needed
     qm.calibrated = True
     qm.calib_ids = man["calibration_image_ids"]
+    qm.recon_modules = list(man.get("recon_modules", []))
     return qm

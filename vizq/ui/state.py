@@ -152,3 +152,15 @@ def save_upload(uploaded: Any) -> str:
     path = home() / "uploads" / name
     atomic.write_bytes(path, uploaded.getvalue())
     return str(path)
+
+
+def page_capture(kind: str, label: str) -> tuple[Any, Any, list[str]]:
+    """The current model, its capture, and the captured site names of ``kind`` (stops the
+    page with a message when there are none)."""
+    lm = current_model()
+    cap = current_capture(lm)
+    names = [n for n, st_ in cap.stats.items() if st_.site.kind == kind]
+    if not names:
+        st.info(f"This capture has no {label} sites.")
+        st.stop()
+    return lm, cap, names
