@@ -93,8 +93,9 @@ class UniformQuantizer(_UniformBase):
         """torch's one-pass fake-quant kernel, where it computes the same thing (per-tensor or
         last-dim per-channel, zero points inside the code range, float32)."""
         s, z = p["scale"], p["zero_point"]
-        if x.dtype != torch.float32 or self.bits > 16 or s.dim() > 1 or not x.is_contiguous():
+        if x.dtype != torch.float32 or self.bits > 16 or s.dim() > 1:
             return None
+        x = x.contiguous()  # q/k/v are strided views of the qkv output: one copy beats the slow path
         zi = z.reshape(-1)
         if bool((zi < 0).any() or (zi > self.qmax).any()):
             return None
