@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-import yaml
 
 from conftest import random_images
 from vizq.ptq.config import ConfigError, QuantConfig

@@ -6,7 +6,6 @@ exit 2; Ctrl-C cancels cleanly (exit 130) and leaves no partial output file.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any, Callable
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         setup(sub.add_parser(name, help=help_, description=help_))
     a = parser.parse_args(argv)
     _, fn, _ = COMMANDS[a.cmd]
-    from .errors import USER_ERRORS
+    from .errors import USER_ERRORS, message
 
     try:
         return fn(a)
@@ -119,9 +118,5 @@ def main(argv: list[str] | None = None) -> int:
         print("\ncancelled; no output was written", file=sys.stderr)
         return 130
     except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {message(e)}", file=sys.stderr)
         return 2
-
-
-def dump(obj: Any) -> str:
-    return json.dumps(obj, indent=2)

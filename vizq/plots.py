@@ -13,7 +13,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from .stats import LOG_BINS, log2_bin_edges
+from .stats import log2_bin_edges
 
 Figure = go.Figure
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22"]

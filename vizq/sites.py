@@ -126,7 +126,6 @@ def discover_sites(model: nn.Module) -> list[Site]:
     modules = list(model.named_modules())
     order = {name: i for i, (name, _) in enumerate(modules)}
     found: list[tuple[float, Site]] = []
-    block_idx = 0
     for path, m in modules:
         for rule in RULES:
             for i, s in enumerate(rule(path, m)):

@@ -22,7 +22,7 @@ from ..quant import Quantizer, QuantizerError, get_quantizer
 from ..quant.step import StepFunction
 from ..sites import Site
 from .config import QuantConfig
-from .presets import OUTPUT_SCORED, PRESETS, Spec, plan, reparam_mode
+from .presets import OUTPUT_SCORED, Spec, plan, reparam_mode
 from .reparam import Fold, apply_fold, fold_factors
 
 Progress = Callable[[int, int, str], None]
@@ -336,13 +336,3 @@ def merge_for_calibration(xs: list[torch.Tensor], q: Quantizer) -> torch.Tensor:
     shape = [1] * rank
     shape[axis], shape[other] = groups.shape
     return (groups if axis < other else groups.T).contiguous().reshape(shape)
-
-
-def quantize_model(loaded: Any, config: QuantConfig, calib_images: torch.Tensor,
-                   progress: Progress | None = None, cancel: Callable[[], bool] | None = None) -> QuantizedModel:
-    """Copy, configure and calibrate in one call."""
-    return QuantizedModel(loaded, config).calibrate(calib_images, progress, cancel)
-
-
-def method_names() -> list[str]:
-    return list(PRESETS)

@@ -250,11 +250,6 @@ def log2_safe(x: Tensor) -> Tensor:
     return torch.log2(x.clamp_min(torch.finfo(torch.float32).tiny))
 
 
-def check_bits(name: str, bits: int, width: int) -> None:
-    if bits != width:
-        raise QuantizerError(f"{name}: this format is {width} bits wide; pass bits={width}")
-
-
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
