@@ -19,7 +19,7 @@ from torch import nn
 
 from ..capture import Cancelled, site_hooks
 from ..quant import Quantizer, QuantizerError, get_quantizer
-from ..quant.step import StepFunction
+from ..quant.step import STEP_FAMILIES, StepFunction
 from ..sites import Site
 from .config import QuantConfig
 from .presets import OUTPUT_SCORED, Spec, plan, reparam_mode
@@ -51,8 +51,11 @@ class ActQuant:
         self._last = (None, None)
 
     def compile(self, sample: torch.Tensor | None = None) -> None:
-        """Replace the formula by its exact step function where possible (inference speed)."""
-        self.step = StepFunction.build(self.q, None if sample is None else sample + self.shift)
+        """Replace the formula by its exact step function where that is faster (inference speed):
+        always with the compiled kernel, else only for log/float grids (uniform grids keep
+        torch's fused fake-quant kernel)."""
+        step = StepFunction.build(self.q, None if sample is None else sample + self.shift)
+        self.step = step if step is not None and (step.native or self.q.family in STEP_FAMILIES) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x is self._last[0]:  # q, k and v read the same LayerNorm output: quantize it once

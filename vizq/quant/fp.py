@@ -12,8 +12,10 @@ from typing import ClassVar
 
 import torch
 
+from . import native
 from .base import Quantizer, QuantizerError, Tensor, ceil_div, grid_search
 from .registry import register
+from .step import StepFunction
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,28 @@ def round_to_format(x: Tensor, name: str) -> Tensor:
     d_lo, d_hi = a - vals[lo], vals[hi] - a
     take_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
     return torch.sign(x) * vals[torch.where(take_hi, hi, lo)]
+
+
+@lru_cache(maxsize=None)
+def format_step(name: str) -> StepFunction:
+    """:func:`round_to_format` as an exact step function (for the compiled block kernel)."""
+    v = format_values(name)
+    step = StepFunction.fit(lambda t: round_to_format(t, name), torch.cat([-v, v]))
+    assert step is not None, name  # rounding to a format is monotone
+    return step
+
+
+def pow2(e: Tensor) -> Tensor:
+    """Exactly 2^e (float32) for integer e in [-149, 127], built from the bit pattern."""
+    e = e.to(torch.int32)
+    normal = (e + 127).clamp_min(1) << 23
+    sub = torch.ones_like(e) << (e + 149).clamp(0, 22)
+    return torch.where(e >= -126, normal, sub).view(torch.float32)
+
+
+def floor_log2(a: Tensor) -> Tensor:
+    """floor(log2(a)) for a > 0, exactly (float32 log2 rounds up just below powers of two)."""
+    return torch.frexp(a).exponent - 1
 
 
 class ScaledFloatQuantizer(Quantizer):
@@ -173,6 +197,9 @@ class BlockFloatQuantizer(Quantizer):
         return {"block_size": torch.tensor([float(self.block_size)])}
 
     def _apply(self, x: Tensor, p: dict[str, Tensor]) -> Tensor:
+        fast = self._native(x)
+        if fast is not None:
+            return fast
         blocks, pad = _blocks(x, self.block_size)
         scale = self.block_scales(blocks)
         out = (round_to_format(blocks / scale, self.element) * scale).reshape(*x.shape[:-1], -1)
@@ -184,13 +211,21 @@ class BlockFloatQuantizer(Quantizer):
         return torch.unique(p["block_scales"][:, None] * full[None])[None]
 
 
+    def _native(self, x: Tensor) -> Tensor | None:
+        """The compiled kernel's result (same bits), or None where it cannot run."""
+        return None
+
+
 class MXQuantizer(BlockFloatQuantizer):
     """OCP MX: 32-value blocks, shared E8M0 (power-of-two) scale 2^(floor(log2 amax) - emax)."""
 
     def block_scales(self, blocks: Tensor) -> Tensor:
         amax = blocks.abs().amax(-1, keepdim=True)
-        e = torch.floor(torch.log2(amax.clamp_min(2.0**-127))) - FORMATS[self.element].emax
-        return torch.exp2(e.clamp(-127, 127))
+        e = floor_log2(amax.clamp_min(2.0**-127)) - FORMATS[self.element].emax
+        return pow2(e.clamp(-127, 127))
+
+    def _native(self, x: Tensor) -> Tensor | None:
+        return native.block_apply(x, self.block_size, format_step(self.element), emax=FORMATS[self.element].emax)
 
 
 def _make_mx(element: str, reg_name: str) -> None:
@@ -236,6 +271,13 @@ class NVFP4Quantizer(BlockFloatQuantizer):
         s = round_to_format(amax / 6.0 / ts, "e4m3")  # an E4M3 value
         s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero block: any scale works
         return s * ts
+
+    def _native(self, x: Tensor) -> Tensor | None:
+        ts = self.state.get("tensor_scale")
+        if ts is None:
+            return None
+        return native.block_apply(x, self.block_size, format_step(self.element), format_step("e4m3"),
+                                  tensor_scale=float(ts))
 
     def e4m3_block_scales(self, x: Tensor) -> Tensor:
         """The block scales as stored (E4M3 values, before the tensor scale), for inspection."""

@@ -1,24 +1,32 @@
 """A calibrated per-tensor quantizer turned into a monotone step function, bit-exact.
 
-Inference then costs one binary search per value (``torch.bucketize``) and a table lookup,
-whatever the quantizer's formula (log2, log√2, AdaLog, SULQ, TanQ, FP formats, uniform):
-several times faster than evaluating log/exp per element. The thresholds are found by
-bisection over float32 bit patterns on the quantizer's own ``fake_quant``, so the step
-function returns exactly what ``fake_quant`` returns for every float; a quantizer that is not
-monotone (or not per-tensor) is refused and keeps its direct path.
+Inference then costs one table lookup per value, whatever the quantizer's formula (log2,
+log√2, AdaLog, SULQ, TanQ, FP formats, uniform, twin): on CPU the compiled kernel of
+:mod:`vizq.quant.native` (a bin table indexed by the float's top bits, then a short scan),
+elsewhere or without a compiler a binary search (``torch.bucketize``); both give the same
+bits. The thresholds are found by bisection over float32 bit patterns on the quantizer's own
+``fake_quant``, so the step function returns exactly what ``fake_quant`` returns for every
+float; a quantizer that is not monotone (or not per-tensor) is refused and keeps its direct path.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+from . import native
 from .base import Quantizer
 
 Tensor = torch.Tensor
 #: Families whose formulas (log/exp, format tables) are slower than a binary search; uniform
-#: grids already have a fused one-pass kernel (see UniformQuantizer._fused).
+#: grids already have torch's fused one-pass kernel, which only the compiled kernel beats.
 STEP_FAMILIES = ("log", "float")
 _SIGN = 0x80000000
 _MAG = 0x7FFFFFFF
+_NEG_INF = 0xFF800000
+#: The compiled kernel compares with this many thresholds after a bin's count (SCAN in
+#: _native.c); a step function with more in one bin is left to torch.
+MAX_SCAN = 2
 
 
 def _to_key(f: Tensor) -> Tensor:
@@ -33,12 +41,63 @@ def _from_key(k: Tensor) -> Tensor:
     return b.to(torch.int32).view(torch.float32)
 
 
+#: Bin widths tried, coarsest first: a small table stays in L1 cache (shift 22: 1024 bins of
+#: sign, exponent and one mantissa bit; shift 16: 65536 bins with seven mantissa bits).
+SHIFTS = (22, 20, 18, 16)
+
+
+def bin_table(thresholds: Tensor) -> tuple[Tensor, int] | None:
+    """The compiled kernel's table and shift: for each bin of float32 bit patterns (bits >> shift),
+    how many thresholds lie at or below the bin's smallest value. The coarsest shift whose bins
+    hold at most MAX_SCAN thresholds each is used; None if even the finest does not qualify.
+
+    Positive bins grow with their low bits, negative ones shrink, so a bin's smallest value has
+    low bits 0 (positive) or all ones (negative; -inf where the bin also holds NaN patterns).
+    Inputs must not be NaN (calibration rejects non-finite data); ±inf are exact.
+    """
+    t = thresholds.detach().float().cpu().contiguous()
+    if t.numel() >= 1 << 16:
+        return None
+
+    def count(bits: Tensor) -> Tensor:
+        f = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+        return torch.bucketize(f, t, right=True)
+
+    for shift in SHIFTS:
+        top = torch.arange(1 << (32 - shift), dtype=torch.int64) << shift
+        low = (1 << shift) - 1
+        neg = top >= _SIGN
+        neg_lo = torch.where(top <= _NEG_INF, (top | low).clamp_max(_NEG_INF), top | low)  # -inf, not NaN
+        lo = count(torch.where(neg, neg_lo, top))
+        hi = count(torch.where(neg, top, top | low))
+        if int((hi - lo).max()) <= MAX_SCAN:
+            return lo.to(torch.uint16), shift
+    return None
+
+
 class StepFunction:
     def __init__(self, thresholds: Tensor, levels: Tensor) -> None:
-        self.thresholds = thresholds.contiguous()
-        self.levels = levels.contiguous()
+        self.thresholds = thresholds.float().contiguous()
+        self.levels = levels.float().contiguous()
+        binned = bin_table(self.thresholds) if self.thresholds.device.type == "cpu" else None
+        self.table, self.shift = binned if binned is not None else (None, 0)
+        # the kernel reads up to MAX_SCAN thresholds past a bin's count: pad with NaN (never <=)
+        self.padded = torch.cat([self.thresholds, self.thresholds.new_full((MAX_SCAN,), float("nan"))])
+
+    @property
+    def native(self) -> bool:
+        """Whether calls on CPU float32 tensors run the compiled kernel."""
+        return self.table is not None and native.available()
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.table is not None:
+            out = native.step_apply(x, self)
+            if out is not None:
+                return out
+        return self.reference(x)
+
+    def reference(self, x: Tensor) -> Tensor:
+        """The torch-only evaluation (binary search); same bits as the kernel."""
         return self.levels.take(torch.bucketize(x.contiguous(), self.thresholds, right=True))
 
     def to(self, device: torch.device | str) -> "StepFunction":
@@ -47,19 +106,25 @@ class StepFunction:
     @classmethod
     def build(cls, q: Quantizer, check: Tensor | None = None) -> "StepFunction | None":
         """The step function of ``q`` (calibrated, per-tensor), or None if it cannot be exact."""
-        if not q.calibrated or q.axis is not None or "block_size" in q.options or q.family not in STEP_FAMILIES:
+        if not q.calibrated or q.axis is not None or "block_size" in q.options:
             return None
         lv = q.levels()
         if lv.dim() != 1:
             return None
-        lv = torch.unique(q.fake_quant(lv.float()))  # reachable levels, sorted
+        return cls.fit(q.fake_quant, lv, check)
+
+    @classmethod
+    def fit(cls, f: Callable[[Tensor], Tensor], candidates: Tensor, check: Tensor | None = None) -> "StepFunction | None":
+        """The step function equal to ``f`` (monotone, onto the values ``f(candidates)``), found by
+        bisection on float32 bit patterns and verified; None if ``f`` is not such a function."""
+        lv = torch.unique(f(candidates.float()))  # reachable levels, sorted
         if lv.numel() < 2 or not torch.isfinite(lv).all():
             return None
         lo, hi = _to_key(lv[:-1]), _to_key(lv[1:])  # boundary i lies in (lv[i], lv[i+1]]
         target = lv[1:]
         for _ in range(34):
             mid = (lo + hi) // 2
-            ge = q.fake_quant(_from_key(mid)) >= target
+            ge = f(_from_key(mid)) >= target
             hi = torch.where(ge, mid, hi)
             lo = torch.where(ge, lo, mid)
             if bool((hi - lo <= 1).all()):
@@ -68,6 +133,6 @@ class StepFunction:
         probe = torch.cat([lv, _from_key(hi), _from_key(hi - 1), _from_key(lo)])
         if check is not None:
             probe = torch.cat([probe, check.detach().float().flatten()[: 1 << 18]])
-        if not torch.equal(step(probe), q.fake_quant(probe)):
+        if not torch.equal(step.reference(probe), f(probe)):
             return None  # not a monotone step function: keep the direct path
         return step
