@@ -1,4 +1,4 @@
-"""An optional compiled CPU kernel for step functions, built on first use with the system's C compiler.
+"""An optional compiled CPU kernel for step functions and block formats, built on first use.
 
 Why: on CPU, fake-quantizing activations with torch ops costs one or more full passes per
 site (a binary search for log/float grids), which made a quantized ViT evaluate at well under

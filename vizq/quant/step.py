@@ -2,11 +2,12 @@
 
 Inference then costs one table lookup per value, whatever the quantizer's formula (log2,
 log√2, AdaLog, SULQ, TanQ, FP formats, uniform, twin): on CPU the compiled kernel of
-:mod:`vizq.quant.native` (a bin table indexed by the float's top bits, then a short scan),
-elsewhere or without a compiler a binary search (``torch.bucketize``); both give the same
-bits. The thresholds are found by bisection over float32 bit patterns on the quantizer's own
-``fake_quant``, so the step function returns exactly what ``fake_quant`` returns for every
-float; a quantizer that is not monotone (or not per-tensor) is refused and keeps its direct path.
+:mod:`vizq.quant.native` (a bin table indexed by the float's top bits, then at most two
+comparisons), elsewhere or without a compiler a binary search (``torch.bucketize``); both
+give the same bits. The thresholds are found by bisection over float32 bit patterns on the
+quantizer's own ``fake_quant``, so the step function returns exactly what ``fake_quant``
+returns for every float; a quantizer that is not monotone (or not per-tensor) is refused and
+keeps its direct path.
 """
 from __future__ import annotations
 
