@@ -159,9 +159,10 @@ def test_bundled_repq_beats_minmax_at_w4a4_and_reload_reproduces(tmp_path, bundl
     rm, _ = run_eval(bundled, QuantConfig(method="minmax", wbits=4, abits=4), n_eval=300)
     d = rq.to_dict()
     for key in ("model", "method", "wbits", "abits", "calib_images", "eval_images", "fp_top1", "q_top1", "fp_top5",
-                "q_top5", "agreement", "kl", "seconds_calibrate", "seconds_eval"):
+                "q_top5", "agreement", "kl", "seconds_calibrate", "seconds_eval", "fake_quant_kernel"):
         assert key in d
     assert rq.eval_images == 300 and rq.calib_images == 32 and rq.fp_top1 >= 95
+    assert rq.fake_quant_kernel in ("compiled", "torch")
     assert rq.kl < rm.kl / 3 and rq.agreement > rm.agreement
     assert rq.site_sqnr_db["blocks.0.attn.softmax"] > 0
     export(qm, tmp_path / "x")

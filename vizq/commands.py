@@ -198,7 +198,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
                       progress=ProgressBar("eval"), qmodel=qm)
     d = res.to_dict()
     keys = ["model", "method", "wbits", "abits", "calib_images", "eval_images", "fp_top1", "q_top1", "fp_top5",
-            "q_top5", "agreement", "kl", "seconds_calibrate", "seconds_eval"]
+            "q_top5", "agreement", "kl", "seconds_calibrate", "seconds_eval", "fake_quant_kernel"]
     row = {k: d[k] for k in keys if d[k] is not None}
     print_table([{**row, **d["metrics"]}])
     worst = sorted(d["site_sqnr_db"].items(), key=lambda kv: kv[1])[:5]

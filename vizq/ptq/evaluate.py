@@ -15,6 +15,7 @@ import torch
 
 from ..capture import Cancelled, site_hooks
 from ..data import ImageSet, pick, resolve_images, split_indices
+from ..quant import native
 from .config import QuantConfig
 from .engine import QuantizedModel
 
@@ -41,6 +42,7 @@ class EvalResult:
     skipped_images: int = 0
     config: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)  # family-specific (text: cosine, recall@10)
+    fake_quant_kernel: str = ""  # "compiled" (vizq's CPU kernel) or "torch": explains seconds_eval
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -119,6 +121,7 @@ def evaluate(loaded: Any, qmodel: QuantizedModel, images: ImageSet, indices: Seq
         agreement=100.0 * acc.agree / acc.n, kl=acc.kl / acc.n,
         seconds_calibrate=seconds_calibrate, seconds_eval=time.time() - t0,
         site_sqnr_db=sqnr, skipped_images=len(images.skipped), config=cfg.to_dict(),
+        fake_quant_kernel=native.kernel_for(device),
     )
 
 
@@ -153,7 +156,7 @@ def evaluate_embeddings(loaded: Any, qmodel: QuantizedModel, texts: ImageSet, in
         model=loaded.info.model_id, method=cfg.method, wbits=cfg.wbits, abits=cfg.abits,
         calib_images=calib_images, eval_images=len(fp), fp_top1=None, q_top1=None, fp_top5=None, q_top5=None,
         agreement=m["nn_top1_agreement"], kl=None, seconds_calibrate=seconds_calibrate, seconds_eval=time.time() - t0,
-        skipped_images=0, config=cfg.to_dict(), metrics=m,
+        skipped_images=0, config=cfg.to_dict(), metrics=m, fake_quant_kernel=native.kernel_for(device),
     )
 
 

@@ -99,6 +99,11 @@ def available() -> bool:
     return library() is not None
 
 
+def kernel_for(device: str | torch.device) -> str:
+    """Which fake-quant path runs on ``device``: "compiled" (this kernel) or "torch"."""
+    return "compiled" if torch.device(device).type == "cpu" and available() else "torch"
+
+
 def _runnable(x: torch.Tensor) -> ctypes.CDLL | None:
     lib = library()
     return lib if lib is not None and x.device.type == "cpu" and x.dtype == torch.float32 else None
