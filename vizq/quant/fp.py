@@ -210,7 +210,6 @@ class BlockFloatQuantizer(Quantizer):
         full = torch.cat([-v.flip(0)[:-1], v])
         return torch.unique(p["block_scales"][:, None] * full[None])[None]
 
-
     def _native(self, x: Tensor) -> Tensor | None:
         """The compiled kernel's result (same bits), or None where it cannot run."""
         return None
