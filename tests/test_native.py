@@ -106,3 +106,19 @@ def test_kernel_builds_into_an_empty_cache(monkeypatch, tmp_path):
         warnings.simplefilter("error")
         assert native.library() is not None
     assert [p.suffix for p in tmp_path.iterdir()] == [".so"]  # one finished library, no temp files
+
+
+def test_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path):
+    for d in ("first", "damaged"):
+        monkeypatch.setattr(native, "_tried", False)
+        monkeypatch.setattr(native, "_lib", None)
+        monkeypatch.setenv("VIZQ_CACHE_DIR", str(tmp_path / d))
+        if d == "damaged":  # the cached file under its expected name, e.g. copied from elsewhere
+            (tmp_path / d).mkdir()
+            (tmp_path / d / name).write_bytes(b"not a shared library")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert native.library() is not None
+        (so,) = (tmp_path / d).iterdir()
+        name = so.name
+    assert so.read_bytes()[:4] == b"\x7fELF"

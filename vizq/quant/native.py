@@ -82,7 +82,11 @@ def _load() -> ctypes.CDLL | None:
     try:
         if not path.exists():
             _build(path)
-        lib = ctypes.CDLL(str(path))
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:  # a damaged or foreign cached file: rebuild it once
+            _build(path)
+            lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         warnings.warn(f"vizq: compiled quantization kernel unavailable ({e}); using torch ops "
                       "(same results, slower on CPU)", RuntimeWarning, stacklevel=3)

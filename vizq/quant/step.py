@@ -37,13 +37,16 @@ def _to_key(f: Tensor) -> Tensor:
 
 
 def _from_key(k: Tensor) -> Tensor:
-    b = torch.where(k >= 0, k, (-k) | _SIGN)
-    b = torch.where(b >= 2**31, b - 2**32, b)  # back into int32 range
-    return b.to(torch.int32).view(torch.float32)
+    return _bits_to_float(torch.where(k >= 0, k, (-k) | _SIGN))
 
 
-#: Bin widths tried, coarsest first: a small table stays in L1 cache (shift 22: 1024 bins of
-#: sign, exponent and one mantissa bit; shift 16: 65536 bins with seven mantissa bits).
+def _bits_to_float(b: Tensor) -> Tensor:
+    """float32 values of unsigned 32-bit patterns held in int64."""
+    return torch.where(b >= 2**31, b - 2**32, b).to(torch.int32).view(torch.float32)
+
+
+#: Bin widths tried, coarsest first, for the smallest table (shift 22: 1024 bins of sign,
+#: exponent and one mantissa bit; shift 16: 65536 bins with seven mantissa bits).
 SHIFTS = (22, 20, 18, 16)
 
 
@@ -61,8 +64,7 @@ def bin_table(thresholds: Tensor) -> tuple[Tensor, int] | None:
         return None
 
     def count(bits: Tensor) -> Tensor:
-        f = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
-        return torch.bucketize(f, t, right=True)
+        return torch.bucketize(_bits_to_float(bits), t, right=True)
 
     for shift in SHIFTS:
         top = torch.arange(1 << (32 - shift), dtype=torch.int64) << shift
