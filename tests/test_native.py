@@ -48,6 +48,19 @@ def test_step_kernel_matches_binary_search_bit_for_bit(name, bits, data):
         assert torch.equal(fast, q.fake_quant(probe))
 
 
+def test_step_kernel_passes_nan_through_and_leaves_neighbours_alone():
+    x = _data()["probs"]
+    q = get_quantizer("logsqrt2", 4).calibrate(x)
+    step = StepFunction.build(q, x)
+    y = x.clone().flatten()
+    y[::1000] = math.nan
+    y[1::1000] = -math.nan  # a NaN with the sign bit set lands in another bin of the table
+    fast, ref = step(y), step.reference(y)
+    nan = torch.isnan(y)
+    assert torch.equal(torch.isnan(fast), nan) and torch.equal(torch.isnan(ref), nan)
+    assert torch.equal(fast[~nan], ref[~nan]) and torch.equal(fast[~nan], step(x.flatten())[~nan])
+
+
 def test_step_kernel_handles_strided_and_parallel_inputs():
     q = get_quantizer("logsqrt2", 4).calibrate(_data()["probs"])
     step = StepFunction.build(q)
@@ -63,13 +76,16 @@ def test_block_kernel_matches_torch_path(monkeypatch, name, shape):
     x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-20, 20, shape, generator=g).float())
     q = get_quantizer(name).calibrate(x)
     wide = _probe()[: (_probe().numel() // 32) * 32].reshape(-1, 32)
-    for probe in (x, wide):
+    with_nan = wide.clone()
+    with_nan[::7, 5] = math.nan
+    for probe in (x, wide, with_nan):
         fast = q.fake_quant(probe)
         monkeypatch.setenv("VIZQ_NATIVE", "0")
         ref = q.fake_quant(probe)
         monkeypatch.delenv("VIZQ_NATIVE")
-        finite = torch.isfinite(probe).all(-1, keepdim=True).expand_as(probe)  # inf blocks: NaN in both
-        assert torch.equal(fast[finite], ref[finite])
+        nan = torch.isnan(probe)  # NaN passes through; ±inf saturate and never set a block's scale
+        assert torch.equal(torch.isnan(fast), nan) and torch.equal(torch.isnan(ref), nan)
+        assert torch.equal(fast[~nan], ref[~nan])
 
 
 def test_mx_shared_exponent_is_floor_log2_even_just_below_a_power_of_two():

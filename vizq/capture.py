@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from . import atomic
-from .data import ImageSet
+from .data import ImageSet, none_readable
+from .errors import Cancelled, InputError
 from .memory import pin_mmap_threshold
 from .sites import Site
 from .stats import LOG_BINS, ImageReservoir, LinearHistogram, Moments, log2_bin_edges, log2_histogram
@@ -32,10 +33,6 @@ from .stats import LOG_BINS, ImageReservoir, LinearHistogram, Moments, log2_bin_
 FORMAT_VERSION = 1
 PERCENTILES = (0.1, 1.0, 99.0, 99.9)
 Progress = Callable[[int, int, str], None]
-
-
-class Cancelled(RuntimeError):
-    """Raised when a run is cancelled; nothing partial is written."""
 
 
 # ---------------------------------------------------------------- hooks
@@ -94,7 +91,7 @@ class SiteStats:
         """The reservoir's images concatenated on dim 0 (what the quantizer lab uses)."""
         kept = [t for t in self.reservoir if t is not None]
         if not kept:
-            raise ValueError(f"no tensors were kept for {self.site.name}")
+            raise InputError(f"no tensors were kept for {self.site.name}")
         if all(t.shape == kept[0].shape for t in kept):
             return torch.cat(kept, 0)
         return _ragged_cat(kept, self.site.kind == "post_softmax")
@@ -192,7 +189,7 @@ class Capture:
 
     def site(self, name: str) -> SiteStats:
         if name not in self.stats:
-            raise KeyError(f"site {name!r} was not captured; captured sites: {', '.join(list(self.stats)[:8])} …")
+            raise InputError(f"site {name!r} was not captured; captured sites: {', '.join(list(self.stats)[:8])} …")
         return self.stats[name]
 
     def save(self, path: str | Path) -> None:
@@ -224,15 +221,15 @@ class Capture:
     def load(cls, path: str | Path) -> "Capture":
         p = Path(path)
         if not p.is_file():
-            raise FileNotFoundError(f"capture file {str(p)!r} does not exist; create it with `python -m vizq capture`")
+            raise InputError(f"capture file {str(p)!r} does not exist; create it with `python -m vizq capture`")
         try:
             d = torch.load(str(p), map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"{p.name} is not a readable vizq capture: {e}") from e
+            raise InputError(f"{p.name} is not a readable vizq capture: {e}") from e
         if not isinstance(d, dict) or d.get("format") != "vizq-capture":
-            raise ValueError(f"{p.name} is not a vizq capture file")
+            raise InputError(f"{p.name} is not a vizq capture file")
         if d["version"] > FORMAT_VERSION:
-            raise ValueError(f"{p.name} was written by a newer vizq (format {d['version']}); upgrade vizq")
+            raise InputError(f"{p.name} was written by a newer vizq (format {d['version']}); upgrade vizq")
         return cls.from_state(d)
 
     @classmethod
@@ -255,8 +252,13 @@ class Capture:
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
-    with atomic.atomic_path(path) as tmp:
-        torch.save(obj, str(tmp))
+    """Serialize in memory, then write with Python's I/O: a full disk is then an ``OSError``
+    with its errno (torch's own writer reports it as a bare RuntimeError)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    atomic.write_bytes(path, buf.getvalue())
 
 
 @torch.no_grad()
@@ -281,10 +283,10 @@ def capture_activations(
     model = loaded.model
     sites = [s for s in (sites if sites is not None else loaded.sites) if s.is_activation]
     if not sites:
-        raise ValueError("no activation sites selected; check the --sites glob or kinds")
+        raise InputError("no activation sites selected; check the --sites glob or kinds")
     indices = list(range(len(images))) if indices is None else list(indices)
     if not indices:
-        raise ValueError("no images to capture; pass at least one image")
+        raise InputError("no images to capture; pass at least one image")
     stats: dict[str, SiteStats] = {}
     res = ImageReservoir(reservoir_images, seed)
     slots: list[tuple[int, int]] = []
@@ -322,7 +324,7 @@ def capture_activations(
                 eta = (time.time() - t0) / max(done, 1) * (total - done)
                 progress(done, total, f"{done}/{total} images, ETA {eta:.0f}s")
     if not ids:
-        raise ValueError(f"none of the {total} images could be read; see the skipped files")
+        raise none_readable(images, total)
     return Capture(loaded.info.model_id, loaded.info.weights_sha256, ids, stats, prefix, time.time() - t0,
                    list(images.skipped), [r for r in reservoir_ids if r])
 
@@ -334,7 +336,7 @@ def capture_activations(
 def channel_variation(st: SiteStats) -> float:
     """Inter-channel variation: max / median of per-channel ranges (max - min)."""
     if st.channel is None:
-        raise ValueError(f"{st.site.name} has no per-channel statistics")
+        raise InputError(f"{st.site.name} has no per-channel statistics")
     rng = (st.channel.max - st.channel.min).float()
     return float(rng.max() / rng.median().clamp_min(1e-12))
 
@@ -346,7 +348,7 @@ def powerlaw_tail(st: SiteStats, lo: float = 2.0**-12, hi: float = 0.5) -> dict[
     0.5 and above 0.1 (bin-exact at 0.5; 0.1 falls in the [1/16, 1/8) bin, counted from 1/8).
     """
     if st.log_hist is None:
-        raise ValueError(f"{st.site.name} is not a post-Softmax site")
+        raise InputError(f"{st.site.name} is not a post-Softmax site")
     counts = st.log_hist.sum(dim=(0, 1))  # [LOG_BINS+1]
     total = float(counts.sum())
     edges = log2_bin_edges()  # lower edge of bin i (i>=1) is edges[i-1]
@@ -363,7 +365,7 @@ def powerlaw_tail(st: SiteStats, lo: float = 2.0**-12, hi: float = 0.5) -> dict[
 def key_mass(st: SiteStats) -> torch.Tensor:
     """Mean attention mass each key token receives per query (1/N when uniform)."""
     if st.key_mass is None:
-        raise ValueError(f"{st.site.name} is not a post-Softmax site")
+        raise InputError(f"{st.site.name} is not a post-Softmax site")
     return st.key_mass / st.key_mass_rows.clamp_min(1)
 
 

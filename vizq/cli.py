@@ -67,19 +67,61 @@ def print_table(rows: list[dict[str, Any]], columns: list[str] | None = None) ->
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto`` (CUDA when present), ``cpu``, ``cuda``/``cuda:N``, ``mps``; anything else, or a
+    device this machine does not have, is an :class:`InputError` naming what is available."""
+    from .errors import InputError
+
+    have = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        have.append("mps")
+    hint = f"use auto or one of: {', '.join(have)}"
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but no CUDA device is available; use --device cpu or auto")
-    return torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise InputError(f"--device {name!r} is not a device name; {hint}") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise InputError(f"--device {name} was asked for but this machine has no such CUDA device; {hint}")
+    if dev.type not in ("cpu", "cuda") and str(dev) not in have:
+        raise InputError(f"--device {name} is not available here; {hint}")
+    return dev
+
+
+def positive(what: str, least: int = 1) -> Callable[[str], int]:
+    """argparse type: an integer >= ``least``, with a message naming the option."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a whole number, got {text!r}") from None
+        if v < least:
+            raise argparse.ArgumentTypeError(f"{what} must be at least {least}, got {v}")
+        return v
+
+    return parse
+
+
+def nonnegative(what: str) -> Callable[[str], int]:
+    return positive(what, least=0)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (via :class:`InputError`), not usage + error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        from .errors import InputError
+
+        raise InputError(f"{self.prog}: {message} (see --help)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="vizq-vit-tiny", help="model spec (see `vizq models`)")
     p.add_argument("--checkpoint", default=None, help="local .safetensors/.pth weights for a timm architecture")
-    p.add_argument("--img-size", type=int, default=None, help="input size for timm architectures (random init, tests)")
+    p.add_argument("--img-size", type=positive("--img-size"), default=None, help="input size for timm architectures (random init, tests)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1 …")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=positive("--batch-size"), default=32)
 
 
 def load_from_args(a: argparse.Namespace):  # noqa: ANN201
@@ -102,21 +144,28 @@ def write_json_out(path: str | None, obj: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import commands  # noqa: F401 - registers the commands
-
-    parser = argparse.ArgumentParser(prog="python -m vizq", description="PTQ analysis for vision transformers")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    for name, (setup, _, help_) in COMMANDS.items():
-        setup(sub.add_parser(name, help=help_, description=help_))
-    a = parser.parse_args(argv)
-    _, fn, _ = COMMANDS[a.cmd]
-    from .errors import USER_ERRORS, message
+    """Run one command. Exit codes: 0 done, 2 a problem the user can fix (one line on stderr),
+    130 interrupted (nothing written); anything else is a bug and keeps its traceback."""
+    from .errors import is_user_error, message
 
     try:
+        from . import commands  # noqa: F401 - registers the commands
+
+        parser = OneLineParser(prog="python -m vizq", description="PTQ analysis for vision transformers")
+        sub = parser.add_subparsers(dest="cmd", required=True)
+        for name, (setup, _, help_) in COMMANDS.items():
+            setup(sub.add_parser(name, help=help_, description=help_))
+        a = parser.parse_args(argv)
+        _, fn, _ = COMMANDS[a.cmd]
         return fn(a)
     except KeyboardInterrupt:
         print("\ncancelled; no output was written", file=sys.stderr)
         return 130
-    except USER_ERRORS as e:
-        print(f"error: {message(e)}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - only user errors are caught; bugs are re-raised
+        if not is_user_error(e):
+            raise
+        import os
+
+        rank = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"error{rank}: {message(e)}", file=sys.stderr)
         return 2

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from .cli import ProgressBar, add_model_args, command, load_from_args, print_table, write_json_out
+from .cli import ProgressBar, add_model_args, command, load_from_args, nonnegative, positive, print_table, write_json_out
+from .errors import InputError
 
 
 def _models_args(p: argparse.ArgumentParser) -> None:
@@ -41,11 +42,11 @@ def cmd_sites(a: argparse.Namespace) -> int:
 def _capture_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--data", default="bundled", help="'bundled' or a folder (ImageFolder or flat)")
-    p.add_argument("--images", type=int, default=64, help="number of images (seeded subset)")
+    p.add_argument("--images", type=positive("--images"), default=64, help="number of images (seeded subset)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sites", default=None, help="glob(s) of sites to capture (default: all activations)")
     p.add_argument("--kinds", default=None, help="comma-separated site kinds")
-    p.add_argument("--reservoir", type=int, default=8, help="whole images kept per site for the quantizer lab")
+    p.add_argument("--reservoir", type=positive("--reservoir"), default=8, help="whole images kept per site for the quantizer lab")
     p.add_argument("--out", default=None, help="save the capture (e.g. stats.vizq)")
     p.add_argument("--json", default=None, help="write the per-site summary as JSON")
 
@@ -57,6 +58,11 @@ def cmd_capture(a: argparse.Namespace) -> int:
     from .data import pick, resolve_images, warn_skipped
     from .sites import select_sites
 
+    check_outputs(a)
+    if a.out:
+        from .atomic import check_writable
+
+        check_writable(a.out)
     lm = load_from_args(a)
     images = resolve_images(lm, a.data, "eval")
     idx = pick(len(images), a.images, a.seed)
@@ -78,7 +84,7 @@ def cmd_capture(a: argparse.Namespace) -> int:
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--epochs", type=int, default=60)
+    p.add_argument("--epochs", type=positive("--epochs"), default=60)
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -95,11 +101,11 @@ def cmd_train_default(a: argparse.Namespace) -> int:
 def _compare_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--site", required=True, help="site name, e.g. blocks.2.attn.softmax (see `vizq sites`)")
-    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--bits", type=int, default=4, help="bits for every quantizer that is not a fixed-width format")
     p.add_argument("--quantizers", default="uniform,log2,logsqrt2,adalog,tanq,sulq",
                    help="comma-separated; options as name:key=value, e.g. uniform:granularity=channel")
     p.add_argument("--data", default="bundled")
-    p.add_argument("--images", type=int, default=8, help="images captured for the comparison")
+    p.add_argument("--images", type=positive("--images"), default=8, help="images captured for the comparison")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
 
@@ -110,13 +116,16 @@ def cmd_compare(a: argparse.Namespace) -> int:
     from .data import pick, resolve_images
     from .lab import compare, lab_input, parse_quantizer
     from .quant import quantizer_class
-    from .quant.registry import default_bits
+    from .quant.registry import bits_for
     from .sites import find_site
 
+    check_outputs(a)
+    for text in a.quantizers.split(","):  # bad names, options or bits fail before any capture
+        bits_for(quantizer_class(parse_quantizer(text)[0]), a.bits)
     lm = load_from_args(a)
     site = find_site(lm.sites, a.site)
     if not site.is_activation:
-        raise ValueError(f"{a.site} is a weight; compare works on activation sites")
+        raise InputError(f"{a.site} is a weight; compare works on activation sites")
     wanted = [site]
     vname = site.name.rsplit(".", 1)[0] + ".v"
     if site.kind == "post_softmax":
@@ -128,9 +137,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
     choices = []
     for text in a.quantizers.split(","):
         name, opts = parse_quantizer(text)
-        cls = quantizer_class(name)
-        lo, hi = cls.bit_range
-        choices.append((name, a.bits if lo <= a.bits <= hi else default_bits(cls), opts))
+        choices.append((name, bits_for(quantizer_class(name), a.bits), opts))
     rows = compare(inp, choices)
     print(f"site {site.name} ({site.kind}), tensor {tuple(inp.x.shape)} from {cap.num_images} images")
     print_table(rows)
@@ -145,41 +152,29 @@ def _ptq_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="repq", choices=list(PRESETS))
     p.add_argument("--wbits", type=int, default=4)
     p.add_argument("--abits", type=int, default=4)
-    p.add_argument("--calib", type=int, default=32, help="calibration images (seeded)")
+    p.add_argument("--calib", type=positive("--calib"), default=32, help="calibration images (seeded)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default="bundled", help="'bundled' or an image folder (ImageFolder / flat)")
     p.add_argument("--config", default=None, help="a QuantConfig JSON/YAML, or an export folder to reuse")
-    p.add_argument("--recon-iters", type=int, default=0,
+    p.add_argument("--recon-iters", type=nonnegative("--recon-iters"), default=0,
                    help="block reconstruction steps per block after calibration (I&S-ViT/DopQ-ViT style; slow on CPU)")
     p.add_argument("--override", action="append", default=[],
                    help="SITE_GLOB_OR_KIND=QUANTIZER[:bits=N][:key=value] (repeatable)")
 
 
 def config_from_args(a: argparse.Namespace):  # noqa: ANN201
-    from .lab import parse_quantizer
-    from .ptq.config import QuantConfig
+    from .ptq.config import QuantConfig, overrides_from_rules
 
     if a.config:
         return QuantConfig.load(a.config)
-    overrides = {}
-    for text in a.override:
-        if "=" not in text:
-            raise ValueError(f"--override {text!r} must look like SITE_OR_KIND=QUANTIZER[:bits=N]")
-        key, rhs = text.split("=", 1)
-        name, opts = parse_quantizer(rhs)
-        rule = {"quantizer": name}
-        if "bits" in opts:
-            rule["bits"] = opts.pop("bits")
-        if opts:
-            rule["options"] = opts
-        overrides[key] = rule
-    return QuantConfig(method=a.method, wbits=a.wbits, abits=a.abits, overrides=overrides, recon_iters=a.recon_iters,
+    return QuantConfig(method=a.method, wbits=a.wbits, abits=a.abits, overrides=overrides_from_rules(a.override),
+                       recon_iters=a.recon_iters,
                        calibration={"images": a.calib, "seed": a.seed, "batch_size": a.batch_size})
 
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
     _ptq_args(p)
-    p.add_argument("--images", type=int, default=1000, help="evaluation images")
+    p.add_argument("--images", type=positive("--images"), default=1000, help="evaluation images")
     p.add_argument("--json", default=None)
 
 
@@ -187,15 +182,21 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 def cmd_eval(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .cli import resolve_device
     from .ptq.evaluate import run_eval
     from .ptq.export import load_export
 
+    from . import dist
+
+    check_outputs(a)
+    ctx = dist.context(a.device)  # under torchrun: join the group, one device per rank
     lm = load_from_args(a)
     cfg = config_from_args(a)
     qm = load_export(a.config, lm) if a.config and Path(a.config).is_dir() else None
-    res, _ = run_eval(lm, cfg, a.data, a.images, str(resolve_device(a.device)), a.batch_size,
-                      progress=ProgressBar("eval"), qmodel=qm)
+    res, _ = run_eval(lm, cfg, a.data, a.images, ctx.device, a.batch_size,
+                      progress=ProgressBar("eval") if ctx.main else None, qmodel=qm, ctx=ctx)
+    dist.finish(ctx)
+    if not ctx.main:
+        return 0
     d = res.to_dict()
     keys = ["model", "method", "wbits", "abits", "calib_images", "eval_images", "fp_top1", "q_top1", "fp_top5",
             "q_top5", "agreement", "kl", "seconds_calibrate", "seconds_eval", "fake_quant_kernel"]
@@ -204,36 +205,56 @@ def cmd_eval(a: argparse.Namespace) -> int:
     worst = sorted(d["site_sqnr_db"].items(), key=lambda kv: kv[1])[:5]
     if worst:
         print("lowest site SQNR (dB): " + ", ".join(f"{k} {v:.1f}" for k, v in worst))
+    report_skipped(res.skipped_files)
     write_json_out(a.json, d)
     return 0
 
 
 def _export_args(p: argparse.ArgumentParser) -> None:
     _ptq_args(p)
-    p.add_argument("--out", required=True, help="output folder (written atomically)")
+    p.add_argument("--out", required=True, help="output folder (written atomically; replaces only an earlier vizq export)")
+    p.add_argument("--force", action="store_true", help="replace --out even if it is a folder vizq did not write")
 
 
 @command("export", "calibrate and write config, parameters, manifest and AIMET encodings", _export_args)
 def cmd_export(a: argparse.Namespace) -> int:
+    from .atomic import check_writable
     from .cli import resolve_device
-    from .ptq.engine import QuantizedModel
-    from .ptq.evaluate import calibration_batch
-    from .ptq.export import export
+    from .ptq.evaluate import calibrate
+    from .ptq.export import check_destination, export
 
+    check_destination(a.out, a.force)  # before minutes of calibration, not after
+    check_writable(a.out, kind="dir")
     lm = load_from_args(a)
     cfg = config_from_args(a)
-    calib, ids = calibration_batch(lm, cfg, a.data)
-    dev = resolve_device(a.device)
-    lm.model.to(dev)
-    qm = QuantizedModel(lm, cfg).calibrate(calib.to(dev), progress=ProgressBar("calibrate"))
-    export(qm, a.out, ids)
-    print(f"wrote {a.out}: config.json, quant_params.json, params.safetensors, manifest.json, aimet_encodings.json")
+    cal = calibrate(lm, cfg, a.data, resolve_device(a.device), progress=ProgressBar("calibrate"))
+    report_skipped(cal.skipped)
+    export(cal.qmodel, a.out, cal.image_ids, force=a.force, skipped=cal.skipped)
+    print(f"wrote {a.out}: config.json, quant_params.json, params.safetensors, manifest.json, aimet_encodings.json "
+          f"(calibrated on {len(cal.image_ids)} samples)")
     return 0
+
+
+def check_outputs(a: argparse.Namespace) -> None:
+    """Refuse an unwritable --json before any work is done."""
+    from .atomic import check_writable
+
+    if getattr(a, "json", None):
+        check_writable(a.json)
+
+
+def report_skipped(skipped: list[str]) -> None:
+    """Name the files that could not be read, as capture does (never silent)."""
+    from .data import ImageSet, warn_skipped
+
+    w = warn_skipped(ImageSet("", [], False, list(skipped)))
+    if w:
+        print("warning:", w)
 
 
 def _sens_args(p: argparse.ArgumentParser) -> None:
     _ptq_args(p)
-    p.add_argument("--images", type=int, default=200, help="evaluation images per variant")
+    p.add_argument("--images", type=positive("--images"), default=200, help="evaluation images per variant")
     p.add_argument("--by", default="kind", choices=["kind", "block"])
     p.add_argument("--mode", default="only", choices=["only", "all_but"])
     p.add_argument("--json", default=None)
@@ -244,9 +265,47 @@ def cmd_sensitivity(a: argparse.Namespace) -> int:
     from .cli import resolve_device
     from .ptq.evaluate import sensitivity
 
+    check_outputs(a)
     lm = load_from_args(a)
     rows = sensitivity(lm, config_from_args(a), a.data, a.images, a.by, a.mode, str(resolve_device(a.device)),
                        progress=ProgressBar("sensitivity"))
     print_table(rows)
     write_json_out(a.json, rows)
+    return 0
+
+
+def _sweep_args(p: argparse.ArgumentParser) -> None:
+    from .ptq.presets import PRESETS
+
+    add_model_args(p)
+    p.add_argument("--methods", required=True, help=f"comma-separated presets ({', '.join(PRESETS)})")
+    p.add_argument("--bits", default="4/4,6/6,8/8", help="comma-separated W/A pairs, e.g. 4/4,4/8,8/8")
+    p.add_argument("--override-set", action="append", default=[],
+                   help="one extra job per set: ';'-separated --override rules (repeatable); "
+                        "without it each method and width runs once, unmodified")
+    p.add_argument("--override", action="append", default=[], help="rule applied to every job (repeatable)")
+    p.add_argument("--images", type=positive("--images"), default=1000, help="evaluation images per job")
+    p.add_argument("--calib", type=positive("--calib"), default=32, help="calibration images (seeded)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default="bundled", help="'bundled' or an image folder (ImageFolder / flat)")
+    p.add_argument("--out", required=True, help="folder for one JSON per job plus results.json/.csv")
+
+
+@command("sweep", "evaluate presets x bit widths x override sets; resumable; spreads jobs over torchrun ranks",
+         _sweep_args)
+def cmd_sweep(a: argparse.Namespace) -> int:
+    from . import dist
+    from .atomic import check_writable
+    from .sweep import plan_jobs, run_sweep
+
+    jobs = plan_jobs(a.methods.split(","), a.bits.split(","), [""] + a.override_set if a.override_set else [""],
+                     a.override, calib=a.calib, seed=a.seed, batch_size=a.batch_size)
+    check_writable(a.out, kind="dir")
+    ctx = dist.context(a.device)
+    lm = load_from_args(a)
+    rows = run_sweep(lm, jobs, a.out, a.data, a.images, ctx, log=print if ctx.main else None)
+    dist.finish(ctx)
+    if ctx.main:
+        print_table(rows, ["job", "method", "wbits", "abits", "overrides", "q_top1", "agreement", "kl", "status"])
+        print(f"wrote {a.out}: {len(rows)} job results, results.json, results.csv")
     return 0

@@ -15,13 +15,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
+
+from .errors import VizqError
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".jpe"}
 SYNSET = re.compile(r"^n\d{8}$")
 
 
-class DataError(ValueError):
+class DataError(VizqError, ValueError):
     """Unusable data spec (missing or empty folder, classes that do not fit the model)."""
 
 
@@ -205,8 +207,8 @@ def iterate_batches(images: ImageSet, indices: Sequence[int], transform: Callabl
         try:
             im = to_rgb_like(rec.open(), channels)
             xs.append(transform(im))
-        except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as e:
-            images.skipped.append(f"{rec.id}: {e}")
+        except DECODE_ERRORS as e:
+            images.skipped.append(f"{rec.id}: {decode_reason(e)}")
             continue
         ys.append(-1 if rec.label is None else rec.label)
         ids.append(rec.id)
@@ -215,6 +217,29 @@ def iterate_batches(images: ImageSet, indices: Sequence[int], transform: Callabl
             xs, ys, ids = [], [], []
     if xs:
         yield (*_stack(xs, ys, images.labeled), ids)
+
+
+#: Everything a broken, hostile or unsupported file can raise while it is decoded and
+#: transformed (PIL raises its own types, ValueError, SyntaxError, struct/zlib errors, and
+#: ``DecompressionBombError`` for images over its pixel limit). One bad file must never end a
+#: run, so any Exception counts; KeyboardInterrupt and MemoryError still propagate.
+DECODE_ERRORS: tuple[type[BaseException], ...] = (Exception,)
+
+
+def decode_reason(e: BaseException) -> str:
+    """A short reason for a skipped file."""
+    if isinstance(e, Image.DecompressionBombError):
+        return "image too large (decompression-bomb limit of PIL)"
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return text[:160]
+
+
+def none_readable(images: ImageSet, total: int, what: str = "images") -> DataError:
+    """The error for a run in which not one of ``total`` files could be read: names the first
+    few and why, so the user can see whether it is the folder, the format or the files."""
+    shown = "; ".join(images.skipped[:3]) or "no file was tried"
+    more = f" (+{len(images.skipped) - 3} more)" if len(images.skipped) > 3 else ""
+    return DataError(f"none of the {total} {what} could be read: {shown}{more}")
 
 
 def _stack(xs: list[torch.Tensor], ys: list[int], labeled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

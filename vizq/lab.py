@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from . import metrics
-from .quant import get_quantizer
+from .quant import QuantizerError, get_quantizer
 
 Tensor = torch.Tensor
 
@@ -44,7 +44,7 @@ def parse_quantizer(text: str) -> tuple[str, dict[str, Any]]:
     opts: dict[str, Any] = {}
     for p in parts:
         if "=" not in p:
-            raise ValueError(f"quantizer option {p!r} in {text!r} must look like key=value")
+            raise QuantizerError(f"quantizer option {p!r} in {text!r} must look like key=value")
         k, v = p.split("=", 1)
         opts[k.strip()] = _parse_value(v.strip())
     return name, opts

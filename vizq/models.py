@@ -26,6 +26,7 @@ from timm.data import create_transform, resolve_data_config
 from torch import nn
 
 from .arch import instrument
+from .errors import VizqError
 from .sites import Site, discover_sites
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -40,7 +41,7 @@ SUPPORTED_ARCHS = {
 }
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(VizqError, RuntimeError):
     """The model could not be loaded; the message says why and what to pass instead."""
 
 
@@ -280,6 +281,9 @@ def load_model(spec: str, **kwargs: Any) -> LoadedModel:
     from . import text  # noqa: F401 - registers the text family's loader
     for pred, loader in LOADERS:
         if pred(spec):
+            if kwargs.get("checkpoint"):  # these bring their own weights: never ignore a checkpoint silently
+                raise ModelLoadError(f"{spec} brings its own weights and takes no checkpoint; pass a timm architecture "
+                                     f"(e.g. --model vit_tiny_patch16_224 --checkpoint FILE) or drop --checkpoint")
             return loader(spec, **kwargs)
     return _load_timm(spec, **kwargs)
 

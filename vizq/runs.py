@@ -27,27 +27,40 @@ def history_path() -> Path:
 
 
 def load_history(path: Path | None = None) -> list[dict[str, Any]]:
-    p = path or history_path()
+    """The recorded runs; an unreadable file reads as empty (and is kept aside on the next write)."""
+    runs = _read(path or history_path())
+    return runs if runs is not None else []
+
+
+def _read(p: Path) -> list[dict[str, Any]] | None:
+    """The runs, [] if there is no file, None if the file exists but is not a run list."""
     if not p.is_file():
         return []
     try:
         data = json.loads(p.read_text())
-    except json.JSONDecodeError:
-        return []  # an unreadable file is treated as empty, never overwritten silently below
-    return data if isinstance(data, list) else []
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, list) else None
+
+
+def _update(p: Path, change: Any) -> None:
+    """Read-modify-write under a lock shared by threads and processes (torchrun ranks). A
+    damaged history is renamed to ``history.json.damaged-<time>``, never overwritten."""
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with _LOCK, atomic.locked(p.with_name(f".{p.name}.lock")):
+        runs = _read(p)
+        if runs is None:
+            os.replace(p, p.with_name(f"{p.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"))
+            runs = []
+        atomic.write_json(p, change(runs))
 
 
 def append_run(record: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
     """Add a run (gets an id and a timestamp) and rewrite the file atomically."""
-    p = path or history_path()
     rec = {"id": uuid.uuid4().hex[:8], "time": time.strftime("%Y-%m-%d %H:%M:%S"), **record}
-    with _LOCK:
-        runs = load_history(p)
-        runs.append(rec)
-        atomic.write_json(p, runs)
+    _update(path or history_path(), lambda runs: [*runs, rec])
     return rec
 
 
 def clear_history(path: Path | None = None) -> None:
-    with _LOCK:
-        atomic.write_json(path or history_path(), [])
+    _update(path or history_path(), lambda runs: [])

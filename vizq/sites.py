@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 from torch import nn
 
 from .arch import TAPPED
+from .errors import InputError
 
 KINDS = (
     "post_ln",
@@ -162,7 +163,7 @@ def select_sites(sites: Iterable[Site], pattern: str | None = None, kinds: Itera
         kinds = list(kinds)
         bad = [k for k in kinds if k not in KINDS]
         if bad:
-            raise ValueError(f"unknown site kind(s) {bad}; kinds are: {', '.join(KINDS)}")
+            raise InputError(f"unknown site kind(s) {bad}; kinds are: {', '.join(KINDS)}")
         sites = [s for s in sites if s.kind in kinds]
     if pattern:
         pats = [p.strip() for p in pattern.split(",") if p.strip()]
@@ -175,9 +176,18 @@ def find_site(sites: Iterable[Site], name: str) -> Site:
     for s in sites:
         if s.name == name:
             return s
-    close = [s.name for s in sites if name.split(".")[-1] in s.name][:5]
+    close = close_names(name, [s.name for s in sites])
     hint = f"; similar: {', '.join(close)}" if close else ""
-    raise KeyError(f"no site named {name!r}{hint}. List them with `python -m vizq sites --model …`")
+    raise InputError(f"no site named {name!r}{hint}. List them with `python -m vizq sites --model …`")
+
+
+def close_names(name: str, names: list[str], n: int = 5) -> list[str]:
+    """Site names that look like ``name`` (a typo, or a glob with one part wrong), for hints."""
+    import difflib
+
+    plain = name.replace("*", "0").replace("?", "0")
+    close = difflib.get_close_matches(plain, names, n=n, cutoff=0.6)
+    return close or [s for s in names if name.split(".")[-1].strip("*?") and name.split(".")[-1].strip("*?") in s][:n]
 
 
 def count_by_kind(sites: Iterable[Site]) -> dict[str, int]:

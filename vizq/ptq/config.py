@@ -9,13 +9,17 @@ from typing import Any
 
 import yaml
 
+from ..errors import InputError, VizqError
 from ..sites import KINDS
 
 CONFIG_VERSION = 1
+#: A configuration is a few kilobytes; anything far larger is a mistake (or hostile) and would
+#: take minutes to parse and validate, so it is refused before parsing.
+MAX_CONFIG_BYTES = 1 << 20
 RULE_KEYS = {"quantizer", "bits", "options", "enabled"}
 
 
-class ConfigError(ValueError):
+class ConfigError(VizqError, ValueError):
     """A configuration that cannot be used; the message names the key."""
 
 
@@ -63,6 +67,8 @@ class QuantConfig:
     def validate(self) -> None:
         from .presets import PRESETS
 
+        if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 1:
+            raise ConfigError(f"version must be a positive integer, got {self.version!r}")
         if self.version > CONFIG_VERSION:
             raise ConfigError(f"version {self.version} is newer than this vizq understands ({CONFIG_VERSION}); upgrade vizq")
         if self.method not in PRESETS:
@@ -73,7 +79,7 @@ class QuantConfig:
                 raise ConfigError(f"{key} must be an integer from 2 to 16, got {v!r}")
         if self.reparam not in (None, "none", "mean", "median"):
             raise ConfigError(f"reparam must be none, mean or median, got {self.reparam!r}")
-        if not isinstance(self.recon_iters, int) or self.recon_iters < 0:
+        if not isinstance(self.recon_iters, int) or isinstance(self.recon_iters, bool) or self.recon_iters < 0:
             raise ConfigError(f"recon_iters must be a non-negative integer, got {self.recon_iters!r}")
         if not isinstance(self.overrides, dict):
             raise ConfigError("overrides must be a mapping of site glob or kind to settings")
@@ -125,6 +131,9 @@ class QuantConfig:
     @classmethod
     def from_text(cls, text: str) -> "QuantConfig":
         """Parse JSON or YAML (YAML is a superset; ``yaml.safe_load``)."""
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"the configuration is {len(text) / 1e6:.1f} MB; a vizq config is a few kB "
+                              f"(limit {MAX_CONFIG_BYTES // 1024} kB): check that this is the right file")
         try:
             d = yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -140,7 +149,15 @@ class QuantConfig:
             p = p / "config.json"
         if not p.is_file():
             raise ConfigError(f"configuration file {str(p)!r} does not exist")
-        return cls.from_text(p.read_text())
+        size = p.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{p.name} is {size / 1e6:.1f} MB; a vizq config is a few kB "
+                              f"(limit {MAX_CONFIG_BYTES // 1024} kB): check that this is the right file")
+        try:
+            text = p.read_text()
+        except UnicodeDecodeError:
+            raise ConfigError(f"{p.name} is not a text file; pass a JSON or YAML configuration") from None
+        return cls.from_text(text)
 
     def save(self, path: str | Path) -> None:
         from .. import atomic
@@ -151,3 +168,22 @@ class QuantConfig:
 
 def is_kind_key(key: str) -> bool:
     return key in KINDS
+
+
+def overrides_from_rules(texts: list[str]) -> dict[str, dict[str, Any]]:
+    """``SITE_OR_KIND=QUANTIZER[:bits=N][:key=value]`` rules as a QuantConfig overrides map."""
+    from ..lab import parse_quantizer
+
+    overrides = {}
+    for text in texts:
+        if "=" not in text:
+            raise InputError(f"--override {text!r} must look like SITE_OR_KIND=QUANTIZER[:bits=N]")
+        key, rhs = text.split("=", 1)
+        name, opts = parse_quantizer(rhs)
+        rule = {"quantizer": name}
+        if "bits" in opts:
+            rule["bits"] = opts.pop("bits")
+        if opts:
+            rule["options"] = opts
+        overrides[key] = rule
+    return overrides

@@ -13,8 +13,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..capture import Cancelled, site_hooks
-from ..data import ImageSet, pick, resolve_images, split_indices
+from ..capture import site_hooks
+from ..data import DataError, ImageSet, none_readable, pick, resolve_images, split_indices
+from ..dist import Context, broadcast_object, gather_objects, shard, sum_tensor
+from ..errors import Cancelled, InputError
 from ..quant import native
 from .config import QuantConfig
 from .engine import QuantizedModel
@@ -39,7 +41,8 @@ class EvalResult:
     seconds_calibrate: float
     seconds_eval: float
     site_sqnr_db: dict[str, float] = field(default_factory=dict)
-    skipped_images: int = 0
+    skipped_images: int = 0  # calibration and evaluation files that could not be read
+    skipped_files: list[str] = field(default_factory=list)  # "id: reason", calibration ones first
     config: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)  # family-specific (text: cosine, recall@10)
     fake_quant_kernel: str = ""  # "compiled" (vizq's CPU kernel) or "torch": explains seconds_eval
@@ -74,11 +77,32 @@ class _Acc:
     def pct(self, v: int) -> float | None:
         return 100.0 * v / self.labeled if self.labeled else None
 
+    def reduce(self, ctx: Context) -> None:
+        """Sum every count and error over the ranks (identity for one process): the result
+        equals a single-process run on all images (counts exactly, float sums to rounding)."""
+        if not ctx.active:
+            return
+        ints = sum_tensor(torch.tensor([self.n, self.labeled, self.fp1, self.q1, self.fp5, self.q5, self.agree],
+                                       dtype=torch.int64), ctx).tolist()
+        self.n, self.labeled, self.fp1, self.q1, self.fp5, self.q5, self.agree = ints
+        names = sorted(set().union(*gather_objects(sorted(self.noise), ctx)))
+        floats = sum_tensor(torch.tensor([self.kl] + [self.signal.get(k, 0.0) for k in names]
+                                         + [self.noise.get(k, 0.0) for k in names], dtype=torch.float64), ctx).tolist()
+        self.kl = floats[0]
+        self.signal = dict(zip(names, floats[1:1 + len(names)]))
+        self.noise = dict(zip(names, floats[1 + len(names):]))
+
 
 @torch.no_grad()
 def evaluate(loaded: Any, qmodel: QuantizedModel, images: ImageSet, indices: Sequence[int], batch_size: int = 32,
              device: str | torch.device = "cpu", site_sqnr: bool = True, progress: Progress | None = None,
-             cancel: Callable[[], bool] | None = None, calib_images: int = 0, seconds_calibrate: float = 0.0) -> EvalResult:
+             cancel: Callable[[], bool] | None = None, calib_images: int = 0, seconds_calibrate: float = 0.0,
+             ctx: Context | None = None) -> EvalResult:
+    """Both models on the same images. Under torchrun (``ctx``) each rank takes its shard of
+    ``indices`` and the sums are all-reduced, so every rank returns the full result."""
+    ctx = ctx or Context()
+    total_all = len(indices)
+    indices = shard(indices, ctx)
     fp_model = loaded.model.to(device)
     qmodel.to(device)
     acc = _Acc()
@@ -110,8 +134,11 @@ def evaluate(loaded: Any, qmodel: QuantizedModel, images: ImageSet, indices: Seq
                 done = acc.n + len(images.skipped)
                 eta = (time.time() - t0) / max(done, 1) * (total - done)
                 progress(done, total, f"{done}/{total} images, agreement {100 * acc.agree / max(acc.n, 1):.1f}%, ETA {eta:.0f}s")
+    acc.reduce(ctx)
+    skipped = [s for part in gather_objects(list(images.skipped), ctx) for s in part]
     if acc.n == 0:
-        raise ValueError("no evaluation image could be read")
+        images.skipped[:] = skipped
+        raise none_readable(images, total_all, "evaluation images")
     sqnr = {k: (math.inf if acc.noise[k] == 0 else 10 * math.log10(max(acc.signal[k], 1e-30) / acc.noise[k])) for k in acc.noise}
     cfg = qmodel.config
     return EvalResult(
@@ -120,7 +147,7 @@ def evaluate(loaded: Any, qmodel: QuantizedModel, images: ImageSet, indices: Seq
         fp_top1=acc.pct(acc.fp1), q_top1=acc.pct(acc.q1), fp_top5=acc.pct(acc.fp5), q_top5=acc.pct(acc.q5),
         agreement=100.0 * acc.agree / acc.n, kl=acc.kl / acc.n,
         seconds_calibrate=seconds_calibrate, seconds_eval=time.time() - t0,
-        site_sqnr_db=sqnr, skipped_images=len(images.skipped), config=cfg.to_dict(),
+        site_sqnr_db=sqnr, skipped_images=len(skipped), skipped_files=skipped, config=cfg.to_dict(),
         fake_quant_kernel=native.kernel_for(device),
     )
 
@@ -129,16 +156,17 @@ def evaluate(loaded: Any, qmodel: QuantizedModel, images: ImageSet, indices: Seq
 def evaluate_embeddings(loaded: Any, qmodel: QuantizedModel, texts: ImageSet, indices: Sequence[int],
                         batch_size: int = 64, device: str | torch.device = "cpu", site_sqnr: bool = True,
                         progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
-                        calib_images: int = 0, seconds_calibrate: float = 0.0) -> EvalResult:
+                        calib_images: int = 0, seconds_calibrate: float = 0.0, ctx: Context | None = None) -> EvalResult:
     """Label-free evaluation of a sentence encoder: mean cosine(FP, Q) of the embeddings and
     nearest-neighbour retrieval agreement among the evaluated sentences (top-1 neighbour the
     same; recall@10 of the FP top-10 neighbours in the quantized top-10)."""
     fp_model = loaded.model.to(device)
     qmodel.to(device)
+    ctx = ctx or Context()
     fps, qs = [], []
     t0 = time.time()
     total = len(indices)
-    for xb, _, _ in loaded.iterate(texts, indices, batch_size):
+    for xb, _, _ in loaded.iterate(texts, shard(indices, ctx), batch_size):
         if cancel and cancel():
             raise Cancelled("evaluation cancelled; no result was written")
         xb = xb.to(device)
@@ -147,8 +175,10 @@ def evaluate_embeddings(loaded: Any, qmodel: QuantizedModel, texts: ImageSet, in
         if progress:
             done = sum(len(f) for f in fps)
             progress(done, total, f"{done}/{total} sentences")
+    parts = gather_objects((fps, qs), ctx)  # neighbours are searched among all sentences: gather them
+    fps, qs = [f for p in parts for f in p[0]], [q for p in parts for q in p[1]]
     if not fps:
-        raise ValueError("no evaluation sentence could be read")
+        raise none_readable(texts, total, "evaluation sentences")
     fp, q = torch.cat(fps), torch.cat(qs)
     m = retrieval_metrics(fp, q)
     cfg = qmodel.config
@@ -177,9 +207,11 @@ def retrieval_metrics(fp: torch.Tensor, q: torch.Tensor, k: int = 10) -> dict[st
             "nn_top1_agreement": 100 * float(top1), f"recall_at_{k}": 100 * float(recall)}
 
 
-def calibration_batch(loaded: Any, config: QuantConfig, data: str | None = None) -> tuple[Any, list[str]]:
+def calibration_batch(loaded: Any, config: QuantConfig, data: str | None = None,
+                      skipped: list[str] | None = None) -> tuple[Any, list[str]]:
     """The seeded calibration samples, and their ids (for the manifest): one tensor for
-    images, a list of equal-length batches for text."""
+    images, a list of equal-length batches for text. Files that could not be read are
+    appended to ``skipped`` ("id: reason"); the ids are those really used."""
     cal = config.calibration
     images = resolve_images(loaded, data, "calib")
     if _has_own_split(loaded, data):
@@ -190,8 +222,10 @@ def calibration_batch(loaded: Any, config: QuantConfig, data: str | None = None)
     for xb, _, bid in loaded.iterate(images, idx, cal.batch_size):
         xs.append(xb)
         ids.extend(bid)
+    if skipped is not None:
+        skipped.extend(images.skipped)
     if not xs:
-        raise ValueError("no calibration image could be read")
+        raise none_readable(images, len(idx), "calibration images")
     if loaded.info.modality == "text":
         return xs, ids
     return torch.cat(xs), ids
@@ -205,7 +239,7 @@ def eval_split(loaded: Any, config: QuantConfig, data: str | None, n_eval: int, 
     else:
         _, idx = split_indices(len(images), min(config.calibration.images, len(images)), n_eval, config.calibration.seed)
     if not idx:
-        raise ValueError(f"no images are left for evaluation after the {config.calibration.images} calibration images; "
+        raise DataError(f"no images are left for evaluation after the {config.calibration.images} calibration images; "
                          "use fewer calibration images or more data")
     return images, idx
 
@@ -217,24 +251,69 @@ def _has_own_split(loaded: Any, data: str | None) -> bool:
     return (not data or data == "bundled") and loaded.info.model_id in BUNDLED_SETS
 
 
+@dataclass
+class Calibration:
+    """A calibrated model and what it was calibrated on (for manifests and honest reports)."""
+
+    qmodel: QuantizedModel
+    image_ids: list[str]
+    skipped: list[str]
+    seconds: float
+
+
+def calibrate(loaded: Any, config: QuantConfig, data: str | None = None, device: str | torch.device = "cpu",
+              progress: Progress | None = None, cancel: Callable[[], bool] | None = None) -> Calibration:
+    """Calibrate ``config`` on the seeded calibration samples of ``data``; the one way every
+    caller (CLI, pages, evaluation) builds a calibrated model, so all use the same data."""
+    t0 = time.time()
+    skipped: list[str] = []
+    calib, ids = calibration_batch(loaded, config, data, skipped)
+    qmodel = QuantizedModel(loaded, config)
+    qmodel.calib_ids = ids
+    loaded.model.to(device)
+    qmodel.to(device)
+    calib = [c.to(device) for c in calib] if isinstance(calib, list) else calib.to(device)
+    qmodel.calibrate(calib, progress=progress, cancel=cancel)
+    return Calibration(qmodel, ids, skipped, time.time() - t0)
+
+
+def calibrate_shared(loaded: Any, config: QuantConfig, data: str | None, ctx: Context,
+                     progress: Progress | None = None, cancel: Callable[[], bool] | None = None) -> Calibration:
+    """Under torchrun: rank 0 calibrates and sends the calibrated state to every rank.
+
+    One calibration rather than one per rank: it is the single source of truth (GPU kernels
+    need not be bit-identical across ranks), it costs the other ranks nothing but the
+    transfer, and the state is small (scales, zero points, folded weights)."""
+    from .export import restore, snapshot
+
+    if not ctx.active:
+        return calibrate(loaded, config, data, ctx.device, progress, cancel)
+    cal = calibrate(loaded, config, data, ctx.device, progress, cancel) if ctx.main else None
+    payload = broadcast_object(
+        (snapshot(cal.qmodel, cal.image_ids), cal.image_ids, cal.skipped, cal.seconds) if cal else None, ctx)
+    if cal is not None:
+        return cal
+    (tensors, sites, man), ids, skipped, seconds = payload
+    qm = restore(loaded, config, tensors, sites, man).to(ctx.device)
+    return Calibration(qm, ids, skipped, seconds)
+
+
 def run_eval(loaded: Any, config: QuantConfig, data: str | None = None, n_eval: int = 1000, device: str = "cpu",
              batch_size: int = 64, progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
-             qmodel: QuantizedModel | None = None) -> tuple[EvalResult, QuantizedModel]:
-    """Calibrate (unless ``qmodel`` is given, e.g. reloaded from an export) and evaluate."""
-    t0 = time.time()
-    n_cal = 0
+             qmodel: QuantizedModel | None = None, ctx: Context | None = None) -> tuple[EvalResult, QuantizedModel]:
+    """Calibrate (unless ``qmodel`` is given, e.g. reloaded from an export) and evaluate;
+    under torchrun (``ctx``) calibration is shared from rank 0 and evaluation is sharded."""
+    ctx = ctx or Context(device=str(device))
+    n_cal, t_cal, skipped = 0, 0.0, []
     if qmodel is None:
-        calib, ids = calibration_batch(loaded, config, data)
-        n_cal = len(ids)
-        qmodel = QuantizedModel(loaded, config)
-        qmodel.calib_ids = ids
-        calib = [c.to(device) for c in calib] if isinstance(calib, list) else calib.to(device)
-        qmodel.calibrate(calib, cancel=cancel)
-    t_cal = time.time() - t0
+        cal = calibrate_shared(loaded, config, data, ctx, cancel=cancel)
+        qmodel, n_cal, t_cal, skipped = cal.qmodel, len(cal.image_ids), cal.seconds, cal.skipped
     images, idx = eval_split(loaded, config, data, n_eval)
     fn = evaluate_embeddings if loaded.info.modality == "text" else evaluate
     res = fn(loaded, qmodel, images, idx, batch_size, device, progress=progress, cancel=cancel,
-             calib_images=n_cal, seconds_calibrate=t_cal)
+             calib_images=n_cal, seconds_calibrate=t_cal, ctx=ctx)
+    res.skipped_files = skipped + res.skipped_files
+    res.skipped_images = len(res.skipped_files)
     return res, qmodel
 
 
@@ -254,9 +333,9 @@ def sensitivity(loaded: Any, config: QuantConfig, data: str | None = None, n_eva
         blocks = sorted({s.block for s in loaded.sites if s.block is not None})
         groups = {f"block {b}": [s.name for s in loaded.sites if s.block == b] for b in blocks}
     else:
-        raise ValueError(f"sensitivity by={by!r}: use 'kind' or 'block'")
+        raise InputError(f"sensitivity by={by!r}: use 'kind' or 'block'")
     if mode not in ("only", "all_but"):
-        raise ValueError(f"sensitivity mode={mode!r}: use 'only' or 'all_but'")
+        raise InputError(f"sensitivity mode={mode!r}: use 'only' or 'all_but'")
     all_names = [s.name for s in loaded.sites]
     calib, _ = calibration_batch(loaded, config, data)
     images, idx = eval_split(loaded, config, data, n_eval)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
 from .. import __version__, atomic
@@ -84,8 +84,10 @@ def aimet_encodings(qm: QuantizedModel) -> tuple[dict[str, Any], list[str]]:
     return {"version": "0.6.1", "activation_encodings": acts, "param_encodings": params}, skipped
 
 
-def export(qm: QuantizedModel, out_dir: str | Path, calib_ids: list[str] | None = None) -> Path:
-    """Write the folder; returns its path."""
+def snapshot(qm: QuantizedModel, calib_ids: list[str] | None = None,
+             skipped: list[str] | None = None) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]], dict[str, Any]]:
+    """Everything that defines the calibrated model, as (tensors, per-site rows, manifest):
+    what an export writes, and what a torchrun rank 0 sends to the others."""
     if not qm.calibrated:
         raise ValueError("calibrate the model before exporting it")
     tensors: dict[str, torch.Tensor] = {}
@@ -111,32 +113,74 @@ def export(qm: QuantizedModel, out_dir: str | Path, calib_ids: list[str] | None 
         })
     for k, v in _changed_params(qm).items():
         tensors[f"model/{k}"] = v.detach().cpu().contiguous()
-    enc, skipped = aimet_encodings(qm)
+    _, aimet_skipped = aimet_encodings(qm)
     manifest = {
         "format": FORMAT, "version": FORMAT_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "model_id": qm.info.model_id, "weights_sha256": qm.info.weights_sha256,
         "calibration_image_ids": list(calib_ids or getattr(qm, "calib_ids", [])),
-        "seed": qm.config.calibration.seed, "versions": _versions(), "aimet_skipped": skipped,
+        "seed": qm.config.calibration.seed, "versions": _versions(), "aimet_skipped": aimet_skipped,
         "folded_sites": list(qm.folds),
         "recon_modules": list(qm.recon_modules),
+        "skipped_files": list(skipped or []),
     }
-    with atomic.atomic_dir(out_dir) as tmp:
+    return tensors, sites_json, manifest
+
+
+def export(qm: QuantizedModel, out_dir: str | Path, calib_ids: list[str] | None = None, force: bool = False,
+           skipped: list[str] | None = None) -> Path:
+    """Write the folder; returns its path. An existing ``out_dir`` is replaced only if it is a
+    vizq export (or with ``force``); ``skipped`` names calibration files that could not be read."""
+    tensors, sites_json, manifest = snapshot(qm, calib_ids, skipped)
+    enc, _ = aimet_encodings(qm)
+    with atomic.atomic_dir(out_dir, is_ours=is_export, force=force) as tmp:
         (tmp / "config.json").write_text(qm.config.to_json() + "\n")
         (tmp / "quant_params.json").write_text(json.dumps({"sites": sites_json}, indent=2) + "\n")
-        save_file(tensors, str(tmp / "params.safetensors"), metadata={"format": FORMAT})
+        # bytes first, then Python's I/O: a full disk surfaces as OSError(ENOSPC), not a SafetensorError
+        (tmp / "params.safetensors").write_bytes(save(tensors, metadata={"format": FORMAT}))
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         (tmp / "aimet_encodings.json").write_text(json.dumps(enc, indent=2) + "\n")
     return Path(out_dir)
 
 
+def check_destination(out: str | Path, force: bool = False) -> None:
+    """Refuse, before any work, an ``out`` that an export may not replace: a file, or a folder
+    that holds something other than a vizq export (unless ``force``)."""
+    from ..errors import DestinationError
+
+    p = Path(out).expanduser()
+    atomic.recover_dir(p, is_export)
+    if p.exists() and not p.is_dir():
+        raise DestinationError(f"{p} is a file; vizq writes a folder there and will not replace a file. Choose another --out")
+    if p.is_dir() and not force and not is_export(p) and any(p.iterdir()):
+        raise DestinationError(f"{p} exists and is not a vizq export; vizq never overwrites folders it did not write. "
+                               "Choose a new --out, or pass --force to replace it")
+
+
+def is_export(path: Path) -> bool:
+    """True if ``path`` holds a vizq export (so a new export may replace it)."""
+    try:
+        return json.loads((Path(path) / "manifest.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def read_manifest(path: str | Path) -> dict[str, Any]:
+    atomic.recover_dir(path, is_export)  # an export whose commit was killed comes back first
     p = Path(path) / "manifest.json"
     if not p.is_file():
         raise ConfigError(f"{path} is not a vizq export (no manifest.json); export one with `python -m vizq export`")
-    m = json.loads(p.read_text())
-    if m.get("format") != FORMAT or m.get("version", 0) > FORMAT_VERSION:
-        raise ConfigError(f"{path}: unsupported export format {m.get('format')} v{m.get('version')}")
+    m = _read_json(p)
+    if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("version"), int) \
+            or m["version"] > FORMAT_VERSION:
+        raise ConfigError(f"{path}: not a vizq export this version can read (format {m.get('format') if isinstance(m, dict) else '?'})")
     return m
+
+
+def _read_json(p: Path) -> Any:
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{p.parent.name}/{p.name} is damaged or unreadable ({e}); export again") from None
 
 
 @torch.no_grad()
@@ -144,14 +188,29 @@ def load_export(path: str | Path, loaded: Any) -> QuantizedModel:
     """Rebuild the calibrated quantized model without recalibration (bit-identical outputs)."""
     path = Path(path)
     man = read_manifest(path)
+    config = QuantConfig.load(path / "config.json")
+    info = _read_json(path / "quant_params.json")
+    if not isinstance(info, dict) or not isinstance(info.get("sites"), list):
+        raise ConfigError(f"{path.name}/quant_params.json has no site list; export again")
+    try:
+        tensors = load_file(str(path / "params.safetensors"))
+    except Exception as e:  # noqa: BLE001 - any reader failure means a damaged file
+        raise ConfigError(f"{path.name}/params.safetensors is damaged or missing ({e}); export again") from None
+    try:
+        return restore(loaded, config, tensors, info["sites"], man, source=path.name)
+    except (KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:  # a hand-edited or damaged file
+        raise ConfigError(f"{path.name} does not fit this model or is damaged ({type(e).__name__}: {e}); export again") from None
+
+
+@torch.no_grad()
+def restore(loaded: Any, config: QuantConfig, tensors: dict[str, torch.Tensor], info: list[dict[str, Any]],
+            man: dict[str, Any], source: str = "the snapshot") -> QuantizedModel:
+    """The calibrated model from a :func:`snapshot` (bit-identical to the one it was taken of)."""
     if man["weights_sha256"] != loaded.info.weights_sha256:
         raise ConfigError(
-            f"{path.name} was calibrated for {man['model_id']} (weights {man['weights_sha256'][:12]}…), "
+            f"{source} was calibrated for {man['model_id']} (weights {man['weights_sha256'][:12]}…), "
             f"but the loaded model is {loaded.info.model_id} ({loaded.info.weights_sha256[:12]}…); load the same weights"
         )
-    config = QuantConfig.load(path / "config.json")
-    info = json.loads((path / "quant_params.json").read_text())["sites"]
-    tensors = load_file(str(path / "params.safetensors"))
     qm = QuantizedModel(loaded, config)
     for k, v in tensors.items():  # folded float parameters first
         if not k.startswith("model/"):

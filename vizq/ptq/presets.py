@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..sites import Site
-from .config import QuantConfig, is_kind_key
+from .config import ConfigError, QuantConfig, is_kind_key
 
 QUANTIZED_ACT_KINDS = ("post_ln", "post_softmax", "post_gelu", "q", "k", "v", "attn_proj_in", "linear_in")
 GELU_SHIFT = 0.16997  # |min GELU|: AdaLog quantizes x + η and folds -Ŵη into fc2's bias
@@ -93,8 +93,40 @@ def _matches(key: str, site: Site) -> bool:
     return site.kind == key if is_kind_key(key) else fnmatch.fnmatchcase(site.name, key)
 
 
+#: Granularities that mean something for a site kind's tensor layout: [B, N, C] activations
+#: group by channel or token, [B, H, N, ·] attention tensors also by head, [out, in] weights by
+#: output (or input) channel. Anything else would group along a batch or spatial axis.
+_TOKEN_GRAN = ("tensor", "channel", "token")
+GRANULARITIES: dict[str, tuple[str, ...]] = {
+    "weight": ("tensor", "out_channel", "channel"),
+    **{k: _TOKEN_GRAN + ("head",) for k in ("post_softmax", "q", "k", "v")},
+    **{k: _TOKEN_GRAN for k in ("post_ln", "post_gelu", "attn_proj_in", "linear_in")},
+}
+
+
+def check_overrides(config: QuantConfig, sites: list[Site]) -> None:
+    """Every override must reach a site, and a granularity must fit the sites it reaches:
+    both fail here, before calibration, naming the override (never a silent no-op)."""
+    from ..sites import close_names
+
+    names = [s.name for s in sites]
+    for key, rule in config.overrides.items():
+        hit = [s for s in sites if _matches(key, s)]
+        if not hit:
+            close = close_names(key, names)
+            what = "site kind" if is_kind_key(key) else "pattern"
+            hint = f"; close site names: {', '.join(close)}" if close else "; list them with `python -m vizq sites`"
+            raise ConfigError(f"override {key!r}: this {what} matches no site of the model{hint}")
+        gran = (rule.get("options") or {}).get("granularity")
+        for s in hit:
+            if gran is not None and gran not in GRANULARITIES.get(s.kind, ("tensor",)):
+                raise ConfigError(f"override {key!r}: granularity={gran!r} cannot apply to {s.name} ({s.kind}); "
+                                  f"use one of {', '.join(GRANULARITIES.get(s.kind, ('tensor',)))}")
+
+
 def plan(config: QuantConfig, sites: list[Site]) -> dict[str, Spec | None]:
     """Resolve every site to a :class:`Spec` (or None: left in floating point)."""
+    check_overrides(config, sites)
     preset = PRESETS[config.method]
     out: dict[str, Spec | None] = {}
     kind_rules = [(k, r) for k, r in config.overrides.items() if is_kind_key(k)]

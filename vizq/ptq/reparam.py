@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..errors import InputError
+
 Tensor = torch.Tensor
 
 
@@ -55,7 +57,7 @@ def apply_fold(norm: nn.LayerNorm | None, consumers: list[nn.Linear], fold: Fold
     r, d = fold.ratio, fold.delta
     if norm is not None:
         if norm.weight is None or norm.bias is None:
-            raise ValueError("reparameterization needs a LayerNorm with affine weight and bias")
+            raise InputError("reparameterization needs a LayerNorm with affine weight and bias")
         g, b = norm.weight.double(), norm.bias.double()
         norm.weight.copy_((g / r).to(norm.weight.dtype))
         norm.bias.copy_((b / r - d).to(norm.bias.dtype))

@@ -7,6 +7,9 @@
  * without a branch (the array is padded with NaN, which no comparison passes). The result
  * equals a binary search (torch.bucketize(..., right=True)) exactly, for every float.
  *
+ * Non-finite inputs (the rule of base.py): NaN comes out as NaN, ±inf saturate at the extreme
+ * levels, and neither changes any other value (a block's scale ignores them).
+ *
  * Block formats (OCP MX, NVFP4) compute a scale per block of the last dimension, then round
  * x / scale with the element format's step function and multiply back: the same IEEE
  * operations, in the same order, as the torch path in fp.py, so the bits agree.
@@ -15,6 +18,7 @@
  * torch already loaded (same soname), so its loops run on torch's own thread pool, sized by
  * torch.set_num_threads, instead of competing with it.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -33,7 +37,10 @@ static inline int32_t lookup(float v, const uint16_t *base, int32_t shift, const
 void vizq_step_apply(const float *restrict x, float *restrict out, int64_t n, const uint16_t *base, int32_t shift,
                      const float *thr, const float *levels) {
 #pragma omp parallel for schedule(static) if (n > PARALLEL_MIN)
-    for (int64_t i = 0; i < n; i++) out[i] = levels[lookup(x[i], base, shift, thr)];
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i];
+        out[i] = v != v ? v : levels[lookup(v, base, shift, thr)];
+    }
 }
 
 /* Exact 2^e for -149 <= e <= 127, built from bits (no libm rounding questions). */
@@ -60,7 +67,7 @@ void vizq_block_apply(const float *restrict x, float *restrict out, int64_t rows
             float amax = 0.0f;
             for (int64_t j = j0; j < j1; j++) {
                 float a = fabsf(xr[j]);
-                if (a > amax) amax = a;
+                if (a > amax && a <= FLT_MAX) amax = a; /* NaN and inf never set the scale */
             }
             float scale, inv = 0.0f;
             if (mode == 0) {
@@ -77,9 +84,11 @@ void vizq_block_apply(const float *restrict x, float *restrict out, int64_t rows
                 scale = (s > 0.0f ? s : 1.0f) * tscale;
             }
             if (mode == 0)
-                for (int64_t j = j0; j < j1; j++) yr[j] = elev[lookup(xr[j] * inv, ebase, eshift, ethr)] * scale;
+                for (int64_t j = j0; j < j1; j++)
+                    yr[j] = xr[j] != xr[j] ? xr[j] : elev[lookup(xr[j] * inv, ebase, eshift, ethr)] * scale;
             else
-                for (int64_t j = j0; j < j1; j++) yr[j] = elev[lookup(xr[j] / scale, ebase, eshift, ethr)] * scale;
+                for (int64_t j = j0; j < j1; j++)
+                    yr[j] = xr[j] != xr[j] ? xr[j] : elev[lookup(xr[j] / scale, ebase, eshift, ethr)] * scale;
         }
     }
 }

@@ -158,6 +158,18 @@ def _blocks(x: Tensor, size: int) -> tuple[Tensor, int]:
     return x.reshape(*x.shape[:-1], -1, size), pad
 
 
+def finite_amax(blocks: Tensor) -> Tensor:
+    """Per-block max |x| over the finite values: ±inf saturate, they do not set the scale."""
+    a = blocks.abs()
+    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax(-1, keepdim=True)
+
+
+def _need_dims(name: str, x: Tensor) -> None:
+    if x.dim() == 0:
+        raise QuantizerError(f"{name}: block formats group the last dimension; a 0-dim tensor has none "
+                             "(reshape it to (1,) or use a per-tensor quantizer)")
+
+
 class BlockFloatQuantizer(Quantizer):
     """Blocks of ``block_size`` values along the last dim share one scale.
 
@@ -187,6 +199,7 @@ class BlockFloatQuantizer(Quantizer):
         from .base import _check_input
 
         x = _check_input(self.name, x)
+        _need_dims(self.name, x)
         self.axis = None
         self.state = self._static_state(x)
         blocks, _ = _blocks(x, self.block_size)
@@ -197,6 +210,7 @@ class BlockFloatQuantizer(Quantizer):
         return {"block_size": torch.tensor([float(self.block_size)])}
 
     def _apply(self, x: Tensor, p: dict[str, Tensor]) -> Tensor:
+        _need_dims(self.name, x)
         fast = self._native(x)
         if fast is not None:
             return fast
@@ -219,7 +233,7 @@ class MXQuantizer(BlockFloatQuantizer):
     """OCP MX: 32-value blocks, shared E8M0 (power-of-two) scale 2^(floor(log2 amax) - emax)."""
 
     def block_scales(self, blocks: Tensor) -> Tensor:
-        amax = blocks.abs().amax(-1, keepdim=True)
+        amax = finite_amax(blocks)
         e = floor_log2(amax.clamp_min(2.0**-127)) - FORMATS[self.element].emax
         return pow2(e.clamp(-127, 127))
 
@@ -266,7 +280,7 @@ class NVFP4Quantizer(BlockFloatQuantizer):
 
     def block_scales(self, blocks: Tensor) -> Tensor:
         ts = self.state["tensor_scale"].to(blocks.device)
-        amax = blocks.abs().amax(-1, keepdim=True)
+        amax = finite_amax(blocks)
         s = round_to_format(amax / 6.0 / ts, "e4m3")  # an E4M3 value
         s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero block: any scale works
         return s * ts

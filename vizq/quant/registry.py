@@ -31,6 +31,25 @@ def default_bits(cls: type[Quantizer]) -> int:
     return lo if lo == hi else min(max(4, lo), hi)
 
 
+#: Bit widths any quantizer can be asked for; each class narrows it with ``bit_range``.
+BITS_LIMITS = (2, 16)
+
+
+def bits_for(cls: type[Quantizer], requested: int) -> int:
+    """The one rule for a requested bit width: outside 2..16 is an error; a fixed-width format
+    (FP8, FP4, MX, NVFP4) keeps its own width, which the caller shows next to the result; a
+    quantizer whose range does not hold ``requested`` is an error naming its range."""
+    lo, hi = BITS_LIMITS
+    if not isinstance(requested, int) or isinstance(requested, bool) or not lo <= requested <= hi:
+        raise QuantizerError(f"bits={requested!r} is out of range; use {lo}..{hi}")
+    clo, chi = cls.bit_range
+    if clo == chi:
+        return clo
+    if not clo <= requested <= chi:
+        raise QuantizerError(f"{cls.name} supports {clo}..{chi} bits, not {requested}; pick another width or quantizer")
+    return requested
+
+
 def list_quantizers(family: str | None = None) -> list[str]:
     return [n for n, c in _REGISTRY.items() if family is None or c.family == family]
 

@@ -57,7 +57,7 @@ def bin_table(thresholds: Tensor) -> tuple[Tensor, int] | None:
 
     Positive bins grow with their low bits, negative ones shrink, so a bin's smallest value has
     low bits 0 (positive) or all ones (negative; -inf where the bin also holds NaN patterns).
-    Inputs must not be NaN (calibration rejects non-finite data); ±inf are exact.
+    NaN inputs never reach the table (the kernel passes them through); ±inf are exact.
     """
     t = thresholds.detach().float().cpu().contiguous()
     if t.numel() >= 1 << 16:
@@ -100,8 +100,10 @@ class StepFunction:
         return self.reference(x)
 
     def reference(self, x: Tensor) -> Tensor:
-        """The torch-only evaluation (binary search); same bits as the kernel."""
-        return self.levels.take(torch.bucketize(x.contiguous(), self.thresholds, right=True))
+        """The torch-only evaluation (binary search); same bits as the kernel, NaN kept as NaN."""
+        out = self.levels.take(torch.bucketize(x.contiguous(), self.thresholds, right=True))
+        nan = torch.isnan(x)
+        return out.masked_fill(nan, float("nan")) if bool(nan.any()) else out
 
     def to(self, device: torch.device | str) -> "StepFunction":
         return StepFunction(self.thresholds.to(device), self.levels.to(device))

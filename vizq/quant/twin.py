@@ -49,6 +49,11 @@ class TwinUniformQuantizer(Quantizer):
         d1_fit = nmax[None] / (h - 1)  # fine range just covers the negative lobe ...
         d1 = torch.minimum(d2 / torch.exp2(m.reshape(-1, 1)), d2)  # ... as a power-of-two fraction of Δ2
         d1 = torch.maximum(d1, d1_fit / 64)
+        # ... or exactly: without these candidates, data that is mostly or only negative (no
+        # positive range to derive Δ1 from) was squeezed into a range 64× too small
+        rr = RATIOS.to(dev)[:, None]
+        d1 = torch.cat([d1, d1_fit.expand(rr.shape[0], -1)])
+        d2 = torch.cat([d2, rr * amax[None] / (h - 1)])
         return grid_search(g, {"d1": d1.contiguous(), "d2": d2.contiguous()}, self._apply)
 
     def _apply(self, x: Tensor, p: dict[str, Tensor]) -> Tensor:

@@ -1,8 +1,12 @@
 """Uniform (integer) quantizers: asymmetric and symmetric, four ways to pick the clip range.
 
 ``method``: ``minmax`` (the naive baseline), ``percentile`` (RepQ-ViT: the 0.999 / 0.9999 /
-0.99999 quantile pair with the lowest MSE), ``mse`` (one clip ratio for both ends, grid
-search), ``omse`` (independent lower and upper clip ratios, 2-D grid search).
+0.99999 quantile pair with the lowest MSE, exactly as its code does: ``torch.quantile`` of the
+whole group, MSE over the whole group, first candidate wins ties), ``mse`` (one clip ratio for
+both ends, grid search), ``omse`` (independent lower and upper clip ratios, 2-D grid search).
+
+Fake quantization is the reference formula ``(clamp(round(x / s) + z, 0, qmax) - z) * s``,
+not torch's fused kernel (which multiplies by 1/s and so rounds a few values differently).
 """
 from __future__ import annotations
 
@@ -10,13 +14,12 @@ from typing import ClassVar
 
 import torch
 
-from .base import Quantizer, Tensor, grid_search, subsample
+from .base import Quantizer, Tensor, grid_search, quantiles
 from .registry import register
 
 PERCENTILES = (0.999, 0.9999, 0.99999)
 MSE_RATIOS = torch.linspace(0.2, 1.0, 41)
 OMSE_RATIOS = torch.linspace(0.3, 1.0, 15)
-EPS = 1e-8
 
 
 def uniform_asym(x: Tensor, s: Tensor, z: Tensor, qmax: int) -> Tensor:
@@ -28,20 +31,26 @@ def uniform_sym(x: Tensor, s: Tensor, qmin: int, qmax: int) -> Tensor:
     return torch.clamp(torch.round(x / s), qmin, qmax) * s
 
 
+def min_scale(lo: Tensor, hi: Tensor) -> Tensor:
+    """The smallest scale allowed for a range: relative to the data's magnitude (2^-23 of
+    max |x|, float32's resolution there) rather than a fixed 1e-8, so tiny activations (1e-8)
+    keep their levels, and a constant tensor reproduces itself; never below the smallest
+    normal float32, so x / s stays finite."""
+    mag = torch.maximum(lo.abs(), hi.abs())
+    return (mag * 2.0**-23).clamp_min(torch.finfo(torch.float32).tiny)
+
+
 def asym_params(lo: Tensor, hi: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
     """Scale and integer zero point for the range [lo, hi] (the reference formula)."""
-    s = ((hi - lo) / qmax).clamp_min(EPS)
+    s = torch.maximum((hi - lo) / qmax, min_scale(lo, hi))
     z = torch.round(-lo / s)
     return s, z
 
 
 def quantile_pairs(g: Tensor, probs: tuple[float, ...]) -> tuple[Tensor, Tensor]:
-    """[K, G] lower (1-p) and upper (p) quantiles of each group, via one sort."""
-    x = subsample(g, 1 << 18).sort(dim=1).values
-    m = x.shape[1] - 1
-    hi_idx = torch.tensor([round(p * m) for p in probs], device=x.device)
-    lo_idx = m - hi_idx
-    return x[:, lo_idx].T, x[:, hi_idx].T
+    """[K, G] lower (1 - p, computed as the reference does in float) and upper (p) quantiles."""
+    q = quantiles(g, [*probs, *(1.0 - p for p in probs)])
+    return q[len(probs):], q[: len(probs)]
 
 
 class _UniformBase(Quantizer):
@@ -82,28 +91,12 @@ class UniformQuantizer(_UniformBase):
         s, z = asym_params(lo, hi, self.qmax)
         if s.shape[0] == 1:
             return {"scale": s[0], "zero_point": z[0]}
-        best = grid_search(g, {"scale": s, "zero_point": z}, lambda x, p: uniform_asym(x, p["scale"], p["zero_point"], self.qmax))
-        return best
+        exact = self.options["method"] == "percentile"  # three candidates: score them on everything
+        return grid_search(g, {"scale": s, "zero_point": z},
+                           lambda x, p: uniform_asym(x, p["scale"], p["zero_point"], self.qmax), exact=exact)
 
     def _apply(self, x: Tensor, p: dict[str, Tensor]) -> Tensor:
-        fused = self._fused(x, p)
-        return fused if fused is not None else uniform_asym(x, p["scale"], p["zero_point"], self.qmax)
-
-    def _fused(self, x: Tensor, p: dict[str, Tensor]) -> Tensor | None:
-        """torch's one-pass fake-quant kernel, where it computes the same thing (per-tensor or
-        last-dim per-channel, zero points inside the code range, float32)."""
-        s, z = p["scale"], p["zero_point"]
-        if x.dtype != torch.float32 or self.bits > 16 or s.dim() > 1:
-            return None
-        x = x.contiguous()  # q/k/v are strided views of the qkv output: one copy beats the slow path
-        zi = z.reshape(-1)
-        if bool((zi < 0).any() or (zi > self.qmax).any()):
-            return None
-        if s.dim() == 0:
-            return torch.fake_quantize_per_tensor_affine(x, s.float(), z.to(torch.int32), 0, self.qmax)
-        if self.axis == -1 and s.numel() == x.shape[-1]:
-            return torch.fake_quantize_per_channel_affine(x, s.float(), z.to(torch.int32), x.dim() - 1, 0, self.qmax)
-        return None
+        return uniform_asym(x, p["scale"], p["zero_point"], self.qmax)
 
     def _levels(self, p: dict[str, Tensor]) -> Tensor:
         codes = torch.arange(self.qmax + 1, dtype=torch.float32, device=p["scale"].device)
@@ -124,10 +117,11 @@ class SymmetricUniformQuantizer(_UniformBase):
     def _fit(self, g: Tensor) -> dict[str, Tensor]:
         lo, hi = self._range_candidates(g)
         qmin, qmax = self.qrange
-        s = (torch.maximum(lo.abs(), hi.abs()) / qmax).clamp_min(EPS)
+        s = torch.maximum(torch.maximum(lo.abs(), hi.abs()) / qmax, min_scale(lo, hi))
         if s.shape[0] == 1:
             return {"scale": s[0]}
-        return grid_search(g, {"scale": s}, lambda x, p: uniform_sym(x, p["scale"], qmin, qmax))
+        return grid_search(g, {"scale": s}, lambda x, p: uniform_sym(x, p["scale"], qmin, qmax),
+                           exact=self.options["method"] == "percentile")
 
     def _apply(self, x: Tensor, p: dict[str, Tensor]) -> Tensor:
         return uniform_sym(x, p["scale"], *self.qrange)
