@@ -120,7 +120,7 @@ export(qm, {str(out)!r})
     back = load_export(out, bundled)  # reading recovers the previous export
     assert (out / "params.safetensors").read_bytes() == before and back.calibrated
     export(calibrated, out)  # and the next write cleans what the killed run left
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".exp.lock", "exp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]
 
 
 def test_two_writers_at_the_same_instant_both_finish_consistently(tmp_path, calibrated):

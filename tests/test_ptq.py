@@ -188,13 +188,13 @@ def test_cancel_leaves_no_partial_export(tmp_path, bundled):
 
     import vizq.ptq.export as ex
 
-    orig = ex.save_file
-    ex.save_file = lambda *a, **k: (_ for _ in ()).throw(Boom("disk full"))
+    orig = ex.save
+    ex.save = lambda *a, **k: (_ for _ in ()).throw(Boom("disk full"))
     try:
         with pytest.raises(Boom):
             export(qm, tmp_path / "good")
     finally:
-        ex.save_file = orig
+        ex.save = orig
     assert (tmp_path / "good" / "params.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good"]
 

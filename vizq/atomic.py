@@ -83,16 +83,29 @@ def check_writable(path: str | Path, *, kind: str = "file") -> None:
         raise DestinationError(f"cannot write {p}: {message(e)}") from None
 
 
+def lock_file(target: Path) -> Path:
+    """The lock file for ``target``: in vizq's cache folder (keyed by the absolute path), not
+    beside the target, so nothing of vizq's is left in the user's folders."""
+    import hashlib
+
+    from .quant.native import cache_dir
+
+    key = hashlib.sha1(str(Path(target).expanduser().absolute()).encode()).hexdigest()[:20]
+    d = cache_dir() / "locks"
+    d.mkdir(parents=True, exist_ok=True)
+    return d / f"{key}.lock"
+
+
 @contextmanager
-def locked(lock_path: Path) -> Iterator[None]:
-    """An exclusive advisory lock on ``lock_path`` (POSIX ``flock``): writers to one
-    destination take turns, across threads and processes (torchrun ranks included)."""
+def locked(target: Path) -> Iterator[None]:
+    """An exclusive advisory lock for writing ``target`` (POSIX ``flock``): writers take turns,
+    across threads and processes (torchrun ranks included) on this machine."""
     try:
         import fcntl
     except ImportError:  # Windows: no advisory locks; the swap itself stays consistent
         yield
         return
-    with open(lock_path, "a") as f:
+    with open(lock_file(target), "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -160,7 +173,7 @@ def recover_dir(path: str | Path, is_ours: Callable[[Path], bool]) -> None:
     p = Path(path).expanduser()
     if not p.parent.is_dir() or not (_old_path(p).exists() or any(p.parent.glob(f".{p.name}.tmp-*"))):
         return  # nothing to repair (and no lock file to create)
-    with locked(p.parent / f".{p.name}.lock"):
+    with locked(p):
         _recover(p, is_ours)
 
 
@@ -171,8 +184,8 @@ def atomic_dir(path: str | Path, is_ours: Callable[[Path], bool] | None = None, 
     An existing ``path`` is replaced only if ``is_ours(path)`` says vizq wrote it, or with
     ``force``; a file at ``path`` is never replaced. The swap is one atomic exchange where the
     OS offers it, else two renames whose gap :func:`recover_dir` closes on the next run (or
-    read). Concurrent writers take turns under a lock file ``.NAME.lock`` beside ``path``:
-    the last one to finish wins, and every reader sees one complete folder.
+    read). Concurrent writers take turns under a lock (:func:`locked`): the last one to finish
+    wins, and every reader sees one complete folder.
     """
     from .errors import DestinationError
 
@@ -184,7 +197,7 @@ def atomic_dir(path: str | Path, is_ours: Callable[[Path], bool] | None = None, 
     try:
         (tmp / PARTIAL_MARKER).write_text(str(os.getpid()))
         yield tmp
-        with locked(p.parent / f".{p.name}.lock"):
+        with locked(p):
             _recover(p, ours, keep=tmp)
             if p.exists() and not p.is_dir():
                 raise DestinationError(f"{p} is a file; vizq will not replace it with a folder. Choose another --out")

@@ -47,7 +47,7 @@ def _update(p: Path, change: Any) -> None:
     """Read-modify-write under a lock shared by threads and processes (torchrun ranks). A
     damaged history is renamed to ``history.json.damaged-<time>``, never overwritten."""
     p.parent.mkdir(parents=True, exist_ok=True)
-    with _LOCK, atomic.locked(p.with_name(f".{p.name}.lock")):
+    with _LOCK, atomic.locked(p):
         runs = _read(p)
         if runs is None:
             os.replace(p, p.with_name(f"{p.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"))
