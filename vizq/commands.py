@@ -309,3 +309,60 @@ def cmd_sweep(a: argparse.Namespace) -> int:
         print_table(rows, ["job", "method", "wbits", "abits", "overrides", "q_top1", "agreement", "kl", "status"])
         print(f"wrote {a.out}: {len(rows)} job results, results.json, results.csv")
     return 0
+
+
+def _massive_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--data", default="bundled", help="'bundled' or an image folder")
+    p.add_argument("--images", type=positive("--images"), default=32, help="images to scan (seeded subset)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ratio", type=float, default=1000.0, help="massive: |x| >= RATIO x median |x| of the site")
+    p.add_argument("--site", default=None, help="also study the uniform range choices at this site")
+    p.add_argument("--bits", type=int, default=4, help="bits for the range study")
+    p.add_argument("--json", default=None)
+
+
+@command("massive", "find massive activations (sites, channels, tokens, sizes) and what range choices do to them",
+         _massive_args)
+def cmd_massive(a: argparse.Namespace) -> int:
+    from .cli import resolve_device
+    from .data import pick, resolve_images
+    from .massive import find_massive, range_study
+    from .sites import find_site
+
+    check_outputs(a)
+    if not a.ratio > 1:
+        raise InputError(f"--ratio must be greater than 1, got {a.ratio}")
+    lm = load_from_args(a)
+    site = find_site(lm.sites, a.site) if a.site else None
+    images = resolve_images(lm, a.data, "eval")
+    idx = pick(len(images), a.images, a.seed)
+    found = find_massive(lm, images, idx, batch_size=a.batch_size, ratio=a.ratio,
+                         device=str(resolve_device(a.device)), progress=ProgressBar("scan"))
+    rows = [f.row() for f in found if f.count]
+    print_table(rows, ["site", "kind", "massive", "of_values", "max_abs", "median_abs", "max_over_median",
+                       "images_with", "channels", "tokens"])
+    print(f"{len(rows)} of {len(found)} activation sites hold massive values (|x| >= {a.ratio:g} x median) "
+          f"in {len(idx)} images")
+    out: dict = {"ratio": a.ratio, "images": len(idx), "sites": [f.row() for f in found]}
+    if site is not None:
+        from .capture import site_hooks
+
+        kept: list = []
+        with site_hooks(lm.model, [site], lambda s, x: kept.append(x.detach().cpu())):
+            for xb, _, _ in lm.iterate(images, idx, a.batch_size):
+                lm.model(xb)
+        x = torch_cat(kept)
+        w = lm.model.get_submodule(site.consumers[0]).weight if site.consumers else None
+        study = range_study(x, w, a.bits)
+        print(f"\nuniform {a.bits}-bit range choices at {site.name} ({tuple(x.shape)}):")
+        print_table(study)
+        out["range_study"] = {"site": site.name, "bits": a.bits, "rows": study}
+    write_json_out(a.json, out)
+    return 0
+
+
+def torch_cat(xs: list):  # noqa: ANN201 - keeps torch out of this module's import time
+    import torch
+
+    return torch.cat(xs, 0)

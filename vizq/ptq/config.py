@@ -77,8 +77,8 @@ class QuantConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or not 2 <= v <= 16:
                 raise ConfigError(f"{key} must be an integer from 2 to 16, got {v!r}")
-        if self.reparam not in (None, "none", "mean", "median"):
-            raise ConfigError(f"reparam must be none, mean or median, got {self.reparam!r}")
+        if self.reparam not in (None, "none", "mean", "median", "mean_int"):
+            raise ConfigError(f"reparam must be none, mean, median or mean_int, got {self.reparam!r}")
         if not isinstance(self.recon_iters, int) or isinstance(self.recon_iters, bool) or self.recon_iters < 0:
             raise ConfigError(f"recon_iters must be a non-negative integer, got {self.recon_iters!r}")
         if not isinstance(self.overrides, dict):

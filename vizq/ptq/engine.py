@@ -22,11 +22,10 @@ from ..quant import Quantizer, QuantizerError, get_quantizer
 from ..quant.step import STEP_FAMILIES, StepFunction
 from ..sites import Site
 from .config import QuantConfig
-from .presets import OUTPUT_SCORED, Spec, plan, reparam_mode
+from .presets import OUTPUT_SCORED, PRESETS, Spec, plan, reparam_mode
 from .reparam import Fold, apply_fold, fold_factors
 
 Progress = Callable[[int, int, str], None]
-SCORE_IMAGES = 8  # output-scored searches look at this many images of the batch
 
 
 class _StopForward(Exception):
@@ -92,6 +91,7 @@ class QuantizedModel(nn.Module):
         self.calibrated = False
         self._stash: dict[str, torch.Tensor] = {}
         self._score_on = config.method in OUTPUT_SCORED
+        self._score_images = PRESETS[config.method].score_images  # None: the whole batch
         for s in self.sites:
             spec = self.specs.get(s.name)
             if spec is None:
@@ -149,7 +149,7 @@ class QuantizedModel(nn.Module):
             return None
         if not aq.q.calibrated:
             score = self._score_for(site, x) if self._score_on else None
-            aq.calibrate(x[:SCORE_IMAGES] if score else x, score=score)
+            aq.calibrate(x[: self._score_images] if score else x, score=score)
             out = aq(x)
             aq.compile(x)  # checked against the calibration tensor itself
         else:
@@ -162,7 +162,7 @@ class QuantizedModel(nn.Module):
         """Score searches by the error of the operation the tensor feeds (AdaLog's FPCS)."""
         if site.kind not in OUTPUT_SCORED.get(self.config.method, ()):
             return None
-        xs = x[:SCORE_IMAGES]
+        xs = x[: self._score_images]
         if site.kind == "post_softmax":
             v = self._stash.get(site.name.rsplit(".", 1)[0] + ".v")
             if v is None:

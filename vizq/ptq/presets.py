@@ -42,6 +42,8 @@ class Preset:
     fixed_format: bool = False  # FP formats: bit widths come from the format
     shifts: dict[str, float] = field(default_factory=dict)
     paper: str = ""
+    patch_input: tuple[str, dict[str, Any]] = ("uniform", {"method": "minmax"})  # at PATCH_INPUT_BITS
+    score_images: int | None = None  # output-scored searches: images of the batch they use (None: all)
 
 
 _PCT = {"method": "percentile"}
@@ -57,18 +59,24 @@ PRESETS: dict[str, Preset] = {
                {"post_softmax": ("twin", {"mode": "softmax"}), "post_gelu": ("twin", {"mode": "gelu"})},
                ("uniform", {"method": "mse"}), ("uniform", {"granularity": "out_channel", "method": "mse"}),
                paper="PTQ4ViT (ECCV'22)"),
-        Preset("repq", "per-channel post-LN folded by reparameterization (mean scale), log√2 softmax",
+        Preset("repq", "RepQ-ViT as its released code does it: per-channel post-LN folded (mean scale, "
+               "unrounded mean zero point), log√2 softmax, 0.999/0.9999/0.99999-quantile searches on whole tensors",
+               {"post_ln": _LN_PC, "post_softmax": ("logsqrt2", _PCT)},
+               ("uniform", _PCT), _W_PC, reparam="mean", paper="RepQ-ViT (ICCV'23)", patch_input=("uniform", _PCT)),
+        Preset("repq+", "vizq's refinement of repq: exact integer-zero-point fold, finer log√2 scale search, "
+               "post-GELU range scored on the next Linear's output (output-aware: see massive activations)",
                {"post_ln": _LN_PC, "post_softmax": ("logsqrt2", {"method": "mse"})},
-               ("uniform", _PCT), _W_PC, reparam="mean", paper="RepQ-ViT (ICCV'23)"),
+               ("uniform", _PCT), _W_PC, reparam="mean_int", patch_input=("uniform", _PCT)),
         Preset("dopq", "TanQ softmax, post-LN folded with the median scale (MOSF), no reconstruction",
                {"post_ln": _LN_PC, "post_softmax": ("tanq", {})},
-               ("uniform", _PCT), _W_PC, reparam="median", paper="DopQ-ViT"),
+               ("uniform", _PCT), _W_PC, reparam="median", paper="DopQ-ViT", patch_input=("uniform", _PCT)),
         Preset("adalog", "AdaLog softmax and post-GELU (bias-shifted), searches scored on layer output",
                {"post_ln": _LN_PC, "post_softmax": ("adalog", {}), "post_gelu": ("adalog", {"signed": False})},
-               ("uniform", _PCT), _W_PC, reparam="mean", shifts={"post_gelu": GELU_SHIFT}, paper="AdaLog (ECCV'24)"),
+               ("uniform", _PCT), _W_PC, reparam="mean", shifts={"post_gelu": GELU_SHIFT}, paper="AdaLog (ECCV'24)",
+               patch_input=("uniform", _PCT), score_images=8),
         Preset("ias", "SULQ softmax, per-channel post-LN folded (mean); optional block reconstruction",
                {"post_ln": _LN_PC, "post_softmax": ("sulq", {})},
-               ("uniform", _PCT), _W_PC, reparam="mean", paper="I&S-ViT"),
+               ("uniform", _PCT), _W_PC, reparam="mean", paper="I&S-ViT", patch_input=("uniform", _PCT)),
         Preset("fp8", "FP8 E4M3 activations (per-tensor scale) and weights (per-channel scale)", {},
                ("fp8_e4m3", {}), ("fp8_e4m3", {"granularity": "out_channel"}), fixed_format=True),
         Preset("mxfp4", "OCP MXFP4 (32-value E2M1 blocks, power-of-two scales) everywhere", {},
@@ -78,8 +86,9 @@ PRESETS: dict[str, Preset] = {
     )
 }
 
-#: Kinds whose searches are scored on the output of the operation they feed (AdaLog's FPCS).
-OUTPUT_SCORED = {"adalog": ("post_softmax", "post_gelu")}
+#: Kinds whose searches are scored on the output of the operation they feed (AdaLog's FPCS;
+#: for repq+, the post-GELU range: the error of fc2's output, not of its input).
+OUTPUT_SCORED = {"adalog": ("post_softmax", "post_gelu"), "repq+": ("post_gelu",)}
 
 
 def _bits_for(quantizer: str, requested: int) -> int:
@@ -140,7 +149,7 @@ def plan(config: QuantConfig, sites: list[Site]) -> dict[str, Spec | None]:
             q, opts = preset.acts.get(s.kind, preset.default_act)
             bits = config.abits
             if s.kind == "linear_in" and s.module.endswith("patch_embed.proj") and not preset.fixed_format:
-                q, opts, bits = "uniform", {"method": "minmax"}, PATCH_INPUT_BITS
+                (q, opts), bits = preset.patch_input, PATCH_INPUT_BITS
             spec = Spec(q, _bits_for(q, bits), dict(opts), preset.shifts.get(s.kind, 0.0))
         else:
             spec = None

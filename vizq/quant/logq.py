@@ -16,10 +16,11 @@ from typing import ClassVar
 
 import torch
 
-from .base import SQRT2, Quantizer, QuantizerError, Tensor, grid_search, log2_safe, table_lookup
+from .base import SQRT2, Quantizer, QuantizerError, Tensor, grid_search, log2_safe, quantiles, table_lookup
 from .registry import register
 
 ADALOG_R = 37
+PERCENTILES = (0.999, 0.9999, 0.99999)
 ADALOG_TABLE_FRAC_BITS = 16
 
 
@@ -48,9 +49,15 @@ class MagnitudeQuantizer(Quantizer):
         finally:
             del self._groups_in_fit
 
-    def _search(self, candidates: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Grid search on the signed groups being fitted, scored by MSE or the caller's score."""
-        return grid_search(self._groups_in_fit, candidates, self._apply, score=self._score)
+    def _search(self, candidates: dict[str, Tensor], exact: bool = False) -> dict[str, Tensor]:
+        """Grid search on the signed groups being fitted, scored by MSE (on all values with
+        ``exact``, else on a tail-keeping sample) or the caller's score."""
+        return grid_search(self._groups_in_fit, candidates, self._apply, score=self._score, exact=exact)
+
+    def _percentile_scales(self, a: Tensor) -> dict[str, Tensor]:
+        """RepQ-ViT's search: the top level at the 0.999 / 0.9999 / 0.99999 quantile of the
+        magnitudes, the one with the lowest MSE over the whole tensor (ties: the first)."""
+        return self._search({"scale": quantiles(a, PERCENTILES).clamp_min(1e-12)}, exact=True)
 
     def _apply(self, x: Tensor, p: dict[str, Tensor]) -> Tensor:
         if self.options["signed"]:
@@ -94,11 +101,13 @@ class Log2Quantizer(MagnitudeQuantizer):
     name = "log2"
     description = "log2 (FQ-ViT): power-of-two levels"
     defaults = {**MagnitudeQuantizer.defaults, "method": "max"}
-    choices = {**MagnitudeQuantizer.choices, "method": ("max", "mse")}
+    choices = {**MagnitudeQuantizer.choices, "method": ("max", "mse", "percentile")}
 
     def _fit_mag(self, a: Tensor, amax: Tensor) -> dict[str, Tensor]:
         if self.options["method"] == "max":
             return {"scale": amax}
+        if self.options["method"] == "percentile":
+            return self._percentile_scales(a)
         return self._search({"scale": _scale_candidates(amax, 8)})
 
     def _mag(self, a: Tensor, p: dict[str, Tensor]) -> Tensor:
@@ -125,16 +134,20 @@ def logsqrt2_direct(c: Tensor, s: Tensor) -> Tensor:
 
 @register
 class LogSqrt2Quantizer(MagnitudeQuantizer):
-    """RepQ-ViT log√2: half-octave levels; the scale is searched among high quantiles by MSE."""
+    """RepQ-ViT log√2: half-octave levels. ``method``: ``percentile`` is RepQ-ViT's own search
+    (top level at one of three high quantiles, MSE over everything); ``mse`` slides the top
+    level down from the max in quarter octaves (8 candidates); ``max`` takes the max."""
 
     name = "logsqrt2"
     description = "log√2 (RepQ-ViT): half-octave levels, shift + √2 dequant"
     defaults = {**MagnitudeQuantizer.defaults, "method": "mse"}
-    choices = {**MagnitudeQuantizer.choices, "method": ("max", "mse")}
+    choices = {**MagnitudeQuantizer.choices, "method": ("max", "mse", "percentile")}
 
     def _fit_mag(self, a: Tensor, amax: Tensor) -> dict[str, Tensor]:
         if self.options["method"] == "max":
             return {"scale": amax}
+        if self.options["method"] == "percentile":
+            return self._percentile_scales(a)
         cands = _scale_candidates(amax, 8)
         return self._search({"scale": cands})
 

@@ -116,7 +116,13 @@ class StepFunction:
         lv = q.levels()
         if lv.dim() != 1:
             return None
-        return cls.fit(q.fake_quant, lv, check)
+        # levels() lists the grid; what fake_quant reaches can differ at the clamps (a fractional
+        # zero point, as RepQ-ViT's folded quantizers have: (clamp(round(x/s) + z) - z)·s puts the
+        # top level at (qmax - z)·s, off the r·s grid): probe between and beyond the levels too
+        span = (lv[-1] - lv[0]).abs().clamp_min(1.0)
+        mids = (lv[1:] + lv[:-1]) / 2
+        cands = torch.cat([lv, mids, torch.stack([lv[0] - span, lv[-1] + span])])
+        return cls.fit(q.fake_quant, cands, check)
 
     @classmethod
     def fit(cls, f: Callable[[Tensor], Tensor], candidates: Tensor, check: Tensor | None = None) -> "StepFunction | None":
@@ -135,7 +141,8 @@ class StepFunction:
             if bool((hi - lo <= 1).all()):
                 break
         step = cls(_from_key(hi), lv)
-        probe = torch.cat([lv, _from_key(hi), _from_key(hi - 1), _from_key(lo)])
+        far = torch.stack([candidates.min() * 4 - 1, candidates.max() * 4 + 1]).float()
+        probe = torch.cat([lv, _from_key(hi), _from_key(hi - 1), _from_key(lo), candidates.float(), far])
         if check is not None:
             probe = torch.cat([probe, check.detach().float().flatten()[: 1 << 18]])
         if not torch.equal(step.reference(probe), f(probe)):
