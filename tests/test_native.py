@@ -61,6 +61,17 @@ def test_step_kernel_passes_nan_through_and_leaves_neighbours_alone():
     assert torch.equal(fast[~nan], ref[~nan]) and torch.equal(fast[~nan], step(x.flatten())[~nan])
 
 
+def test_step_function_reaches_the_clamp_levels_of_a_fractional_zero_point():
+    """RepQ-ViT's folded quantizers keep an unrounded zero point: the top level is then
+    (qmax - z)·s, off the r·s grid that levels() lists. Found side by side with the reference."""
+    q = get_quantizer("uniform", 4)
+    q.axis, q.state = None, {"scale": torch.tensor([0.2934]), "zero_point": torch.tensor([7.6406])}
+    step = StepFunction.build(q)
+    x = torch.linspace(-5, 5, 100_001)
+    assert step is not None and torch.equal(step(x), q.fake_quant(x))
+    assert torch.equal(step.reference(x), q.fake_quant(x))
+
+
 def test_step_kernel_handles_strided_and_parallel_inputs():
     q = get_quantizer("logsqrt2", 4).calibrate(_data()["probs"])
     step = StepFunction.build(q)

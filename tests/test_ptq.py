@@ -90,7 +90,9 @@ def test_reparameterization_is_exact_in_floating_point(small_model):
 
 @torch.no_grad()
 def test_folded_per_tensor_quantization_equals_per_channel(bundled):
-    """RepQ's claim: the folded layer-wise quantizer reproduces per-channel quantization."""
+    """RepQ's claim, exactly true with an integer zero point (``mean_int``; the released code's
+    unrounded mean only approximates it): the folded layer-wise quantizer reproduces the
+    per-channel one."""
     from vizq.quant import get_quantizer
     from vizq.ptq.reparam import apply_fold, fold_factors
 
@@ -106,7 +108,7 @@ def test_folded_per_tensor_quantization_equals_per_channel(bundled):
     ln_out = norm(inp["x"])
     pc = get_quantizer("uniform", 4, granularity="channel").calibrate(ln_out)
     ref = qkv(pc.fake_quant(ln_out))
-    fold = fold_factors(pc.state["scale"], pc.state["zero_point"], "mean")
+    fold = fold_factors(pc.state["scale"], pc.state["zero_point"], "mean_int")  # the exact variant
     apply_fold(norm, [qkv], fold)
     pt = get_quantizer("uniform", 4)
     pt.axis, pt.state = None, {"scale": torch.tensor([fold.scale]), "zero_point": torch.tensor([fold.zero_point])}

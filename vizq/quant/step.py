@@ -128,10 +128,16 @@ class StepFunction:
     def fit(cls, f: Callable[[Tensor], Tensor], candidates: Tensor, check: Tensor | None = None) -> "StepFunction | None":
         """The step function equal to ``f`` (monotone, onto the values ``f(candidates)``), found by
         bisection on float32 bit patterns and verified; None if ``f`` is not such a function."""
-        lv = torch.unique(f(candidates.float()))  # reachable levels, sorted
-        if lv.numel() < 2 or not torch.isfinite(lv).all():
+        c = torch.unique(candidates.float())  # sorted
+        fc = f(c)
+        lv = torch.unique(fc)  # reachable levels, sorted
+        if lv.numel() < 2 or not torch.isfinite(lv).all() or not bool((fc[1:] >= fc[:-1]).all()):
             return None
-        lo, hi = _to_key(lv[:-1]), _to_key(lv[1:])  # boundary i lies in (lv[i], lv[i+1]]
+        # boundary i (where f first reaches lv[i+1]) lies between the last candidate below that
+        # level and the first at or above it; usually (lv[i], lv[i+1]], but not at the clamps
+        # of a fractional zero point, where a level is not its own preimage
+        at = torch.searchsorted(fc, lv[1:])
+        lo, hi = _to_key(c[at - 1]), _to_key(c[at])
         target = lv[1:]
         for _ in range(34):
             mid = (lo + hi) // 2
