@@ -7,8 +7,7 @@ from pathlib import Path
 import streamlit as st
 
 from vizq.ptq.config import QuantConfig
-from vizq.ptq.engine import QuantizedModel
-from vizq.ptq.evaluate import calibration_batch, run_eval
+from vizq.ptq.evaluate import calibrate, run_eval
 from vizq.ptq.export import export
 from vizq.ui import jobs
 from vizq.ui.presets import config_form
@@ -29,10 +28,13 @@ c2.download_button("Configuration (YAML)", cfg.to_yaml(), file_name="vizq-config
 
 if st.button("Calibrate and build the export", type="primary"):
     with guard("Calibrating"), st.spinner("Calibrating…"):
-        calib, ids = calibration_batch(lm, cfg, data)
-        qm = QuantizedModel(lm, cfg).calibrate(calib)
+        cal = calibrate(lm, cfg, data)
+        qm = cal.qmodel
+        if cal.skipped:
+            st.warning(f"{len(cal.skipped)} calibration file(s) could not be read and were skipped: "
+                       + "; ".join(cal.skipped[:5]))
         with tempfile.TemporaryDirectory() as tmp:
-            out = export(qm, Path(tmp) / "vizq-export", ids)
+            out = export(qm, Path(tmp) / "vizq-export", cal.image_ids, skipped=cal.skipped)
             buf = io.BytesIO()
             with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
                 for f in sorted(out.iterdir()):

@@ -96,3 +96,17 @@ def test_faithful_repq_calibration_does_not_depend_on_any_seed(vit, photos):
         qm.remove_hooks()
     assert states[0].keys() == states[1].keys()
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_the_range_choice_at_the_massive_site_depends_on_the_error_measured(vit, photos):
+    """The finding behind repq+: at blocks.7.mlp.act the tensor's own MSE (and the plain output
+    MSE) keep the massive values and round almost every ordinary value to zero; the next
+    Linear's error per token prefers clipping them."""
+    from vizq.massive import range_study
+
+    x = _tensor(vit, photos, "blocks.7.mlp.act")
+    rows = {r["range"]: r for r in range_study(x, vit.model.get_submodule("blocks.7.mlp.fc2").weight, 4)}
+    keep, clip = rows["min/max"], rows["percentile 0.999"]
+    assert keep["mse"] < clip["mse"] and keep["output_mse"] < clip["output_mse"]
+    assert clip["output_rel_per_token"] * 5 < keep["output_rel_per_token"]
+    assert keep["ordinary_to_zero_pct"] > 95 and clip["massive_clipped"] > 0

@@ -63,12 +63,13 @@ def cmd_capture(a: argparse.Namespace) -> int:
         from .atomic import check_writable
 
         check_writable(a.out)
+    dev = resolve_device(a.device)  # bad input fails before the model loads
     lm = load_from_args(a)
     images = resolve_images(lm, a.data, "eval")
     idx = pick(len(images), a.images, a.seed)
     sites = select_sites([s for s in lm.sites if s.is_activation], a.sites, a.kinds.split(",") if a.kinds else None)
     cap = capture_activations(lm, images, idx, sites, batch_size=a.batch_size, reservoir_images=a.reservoir,
-                              seed=a.seed, device=resolve_device(a.device), progress=ProgressBar("capture"))
+                              seed=a.seed, device=dev, progress=ProgressBar("capture"))
     w = warn_skipped(images)
     if w:
         print("warning:", w)
@@ -119,9 +120,12 @@ def cmd_compare(a: argparse.Namespace) -> int:
     from .quant.registry import bits_for
     from .sites import find_site
 
+    from .cli import resolve_device
+
     check_outputs(a)
     for text in a.quantizers.split(","):  # bad names, options or bits fail before any capture
         bits_for(quantizer_class(parse_quantizer(text)[0]), a.bits)
+    dev = resolve_device(a.device)
     lm = load_from_args(a)
     site = find_site(lm.sites, a.site)
     if not site.is_activation:
@@ -132,7 +136,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
         wanted.append(find_site(lm.sites, vname))
     images = resolve_images(lm, a.data, "eval")
     cap = capture_activations(lm, images, pick(len(images), a.images, a.seed), wanted, batch_size=a.batch_size,
-                              reservoir_images=a.images, seed=a.seed)
+                              reservoir_images=a.images, seed=a.seed, device=dev)
     inp = lab_input(cap, site.name, lm.model)
     choices = []
     for text in a.quantizers.split(","):
@@ -141,6 +145,9 @@ def cmd_compare(a: argparse.Namespace) -> int:
     rows = compare(inp, choices)
     print(f"site {site.name} ({site.kind}), tensor {tuple(inp.x.shape)} from {cap.num_images} images")
     print_table(rows)
+    for name, bits, _ in choices:
+        if bits != a.bits:  # never rank a fixed-width format against other widths silently
+            print(f"note: {name} is a fixed {bits}-bit format; it ran at {bits} bits, not the {a.bits} asked for")
     write_json_out(a.json, {"site": site.name, "kind": site.kind, "shape": list(inp.x.shape), "rows": rows})
     return 0
 
@@ -225,9 +232,10 @@ def cmd_export(a: argparse.Namespace) -> int:
 
     check_destination(a.out, a.force)  # before minutes of calibration, not after
     check_writable(a.out, kind="dir")
+    dev = resolve_device(a.device)
     lm = load_from_args(a)
     cfg = config_from_args(a)
-    cal = calibrate(lm, cfg, a.data, resolve_device(a.device), progress=ProgressBar("calibrate"))
+    cal = calibrate(lm, cfg, a.data, dev, progress=ProgressBar("calibrate"))
     report_skipped(cal.skipped)
     export(cal.qmodel, a.out, cal.image_ids, force=a.force, skipped=cal.skipped)
     print(f"wrote {a.out}: config.json, quant_params.json, params.safetensors, manifest.json, aimet_encodings.json "
@@ -266,8 +274,9 @@ def cmd_sensitivity(a: argparse.Namespace) -> int:
     from .ptq.evaluate import sensitivity
 
     check_outputs(a)
+    dev = str(resolve_device(a.device))
     lm = load_from_args(a)
-    rows = sensitivity(lm, config_from_args(a), a.data, a.images, a.by, a.mode, str(resolve_device(a.device)),
+    rows = sensitivity(lm, config_from_args(a), a.data, a.images, a.by, a.mode, dev,
                        progress=ProgressBar("sensitivity"))
     print_table(rows)
     write_json_out(a.json, rows)
@@ -333,12 +342,13 @@ def cmd_massive(a: argparse.Namespace) -> int:
     check_outputs(a)
     if not a.ratio > 1:
         raise InputError(f"--ratio must be greater than 1, got {a.ratio}")
+    dev = str(resolve_device(a.device))
     lm = load_from_args(a)
     site = find_site(lm.sites, a.site) if a.site else None
     images = resolve_images(lm, a.data, "eval")
     idx = pick(len(images), a.images, a.seed)
     found = find_massive(lm, images, idx, batch_size=a.batch_size, ratio=a.ratio,
-                         device=str(resolve_device(a.device)), progress=ProgressBar("scan"))
+                         device=dev, progress=ProgressBar("scan"))
     rows = [f.row() for f in found if f.count]
     print_table(rows, ["site", "kind", "massive", "of_values", "max_abs", "median_abs", "max_over_median",
                        "images_with", "channels", "tokens"])

@@ -47,10 +47,6 @@ _OS_REASONS = {
     errno.EFBIG: "the file would exceed the size this system allows; free space or write elsewhere",
 }
 
-#: Errors shown as one line. OSError counts only with an errno (the OS refused something).
-USER_ERRORS: tuple[type[BaseException], ...] = (VizqError, OSError)
-
-
 def is_user_error(e: BaseException) -> bool:
     """True for failures the user can act on; False for bugs (shown with a traceback)."""
     if isinstance(e, VizqError):

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .capture import site_hooks
+from .metrics import token_relative_output_error
 from .sites import Site
 
 Tensor = torch.Tensor
@@ -131,5 +132,6 @@ def range_study(x: Tensor, weight: Tensor | None, bits: int, ratio: float = RATI
         if weight is not None:
             w = weight.detach().float()
             row["output_mse"] = float((err.reshape(-1, w.shape[1]) @ w.T).pow(2).mean())
+            row["output_rel_per_token"] = float(token_relative_output_error(err[None], flat, w))
         rows.append(row)
     return rows

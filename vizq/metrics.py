@@ -67,6 +67,21 @@ def linear_output_error(x: Tensor, xq: Tensor, weight: Tensor) -> float:
     return relative_error(x.float() @ w.T, xq.float() @ w.T)
 
 
+def token_relative_output_error(dx: Tensor, x: Tensor, weight: Tensor, eps: float = 1e-12) -> Tensor:
+    """Mean over tokens of ||dx_t·Wᵀ||² / ||x_t·Wᵀ||²: the next Linear's output error, each token
+    relative to its own output. ``dx`` is [K, ..., C] (K candidates), ``x`` [..., C]; returns [K, 1].
+
+    The plain output MSE is ruled by the few tokens that carry massive activations (their
+    errors are thousands of times larger), so it keeps a range that rounds every ordinary token
+    to zero; per token, each position counts once, and erasing a block's MLP for 190 of 197
+    tokens costs what it should."""
+    c = weight.shape[1]
+    k = dx.shape[0]
+    err = (dx.reshape(k, -1, c) @ weight.T).pow(2).sum(-1)  # [K, T]
+    ref = (x.reshape(-1, c) @ weight.T).pow(2).sum(-1)  # [T]
+    return (err / (ref + eps)[None]).mean(1, keepdim=True)
+
+
 def tensor_metrics(x: Tensor, xq: Tensor, probabilities: bool = False) -> dict[str, float]:
     """All plain metrics; KL only where rows are probabilities."""
     out = {

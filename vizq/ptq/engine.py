@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..capture import Cancelled, site_hooks
+from ..metrics import token_relative_output_error
 from ..quant import Quantizer, QuantizerError, get_quantizer
 from ..quant.step import STEP_FAMILIES, StepFunction
 from ..sites import Site
@@ -176,6 +177,8 @@ class QuantizedModel(nn.Module):
 
             return attn_score
         w = self.model.get_submodule(site.consumers[0]).weight.detach()
+        if PRESETS[self.config.method].token_relative:
+            return lambda xq, xg: token_relative_output_error(xq - xg, xg, w)
 
         def linear_score(xq: torch.Tensor, xg: torch.Tensor) -> torch.Tensor:
             k = xq.shape[0]

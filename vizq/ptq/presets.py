@@ -44,6 +44,7 @@ class Preset:
     paper: str = ""
     patch_input: tuple[str, dict[str, Any]] = ("uniform", {"method": "minmax"})  # at PATCH_INPUT_BITS
     score_images: int | None = None  # output-scored searches: images of the batch they use (None: all)
+    token_relative: bool = False  # output-scored Linear inputs: per-token relative error (massive activations)
 
 
 _PCT = {"method": "percentile"}
@@ -63,10 +64,11 @@ PRESETS: dict[str, Preset] = {
                "unrounded mean zero point), log√2 softmax, 0.999/0.9999/0.99999-quantile searches on whole tensors",
                {"post_ln": _LN_PC, "post_softmax": ("logsqrt2", _PCT)},
                ("uniform", _PCT), _W_PC, reparam="mean", paper="RepQ-ViT (ICCV'23)", patch_input=("uniform", _PCT)),
-        Preset("repq+", "vizq's refinement of repq: exact integer-zero-point fold, finer log√2 scale search, "
-               "post-GELU range scored on the next Linear's output (output-aware: see massive activations)",
+        Preset("repq+", "vizq's refinement of repq: post-GELU range chosen by the next Linear's output error "
+               "per token (massive activations then get clipped instead of erasing every ordinary value), "
+               "exact integer-zero-point fold, finer log√2 scale search",
                {"post_ln": _LN_PC, "post_softmax": ("logsqrt2", {"method": "mse"})},
-               ("uniform", _PCT), _W_PC, reparam="mean_int", patch_input=("uniform", _PCT)),
+               ("uniform", _PCT), _W_PC, reparam="mean_int", patch_input=("uniform", _PCT), token_relative=True),
         Preset("dopq", "TanQ softmax, post-LN folded with the median scale (MOSF), no reconstruction",
                {"post_ln": _LN_PC, "post_softmax": ("tanq", {})},
                ("uniform", _PCT), _W_PC, reparam="median", paper="DopQ-ViT", patch_input=("uniform", _PCT)),

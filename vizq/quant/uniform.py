@@ -93,7 +93,8 @@ class UniformQuantizer(_UniformBase):
             return {"scale": s[0], "zero_point": z[0]}
         exact = self.options["method"] == "percentile"  # three candidates: score them on everything
         return grid_search(g, {"scale": s, "zero_point": z},
-                           lambda x, p: uniform_asym(x, p["scale"], p["zero_point"], self.qmax), exact=exact)
+                           lambda x, p: uniform_asym(x, p["scale"], p["zero_point"], self.qmax), score=self._score,
+                           exact=exact)
 
     def _apply(self, x: Tensor, p: dict[str, Tensor]) -> Tensor:
         return uniform_asym(x, p["scale"], p["zero_point"], self.qmax)
@@ -120,7 +121,7 @@ class SymmetricUniformQuantizer(_UniformBase):
         s = torch.maximum(torch.maximum(lo.abs(), hi.abs()) / qmax, min_scale(lo, hi))
         if s.shape[0] == 1:
             return {"scale": s[0]}
-        return grid_search(g, {"scale": s}, lambda x, p: uniform_sym(x, p["scale"], qmin, qmax),
+        return grid_search(g, {"scale": s}, lambda x, p: uniform_sym(x, p["scale"], qmin, qmax), score=self._score,
                            exact=self.options["method"] == "percentile")
 
     def _apply(self, x: Tensor, p: dict[str, Tensor]) -> Tensor:

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import pandas as pd
 import streamlit as st
 
-from ..errors import USER_ERRORS, message
+from ..errors import is_user_error, message
 
 DEFAULTS = {
     "model_mode": "bundled",
@@ -39,10 +39,10 @@ def guard(what: str) -> Iterator[None]:
     """Show errors as messages that say what to do; never a raw traceback on the page."""
     try:
         yield
-    except USER_ERRORS as e:
-        st.error(f"**{what}**: {message(e)}")
-        st.stop()
-    except Exception as e:  # noqa: BLE001 - unexpected: say so, keep the trace in the server log
+    except Exception as e:  # noqa: BLE001 - user errors as messages; bugs said to be bugs, trace in the log
+        if is_user_error(e):
+            st.error(f"**{what}**: {message(e)}")
+            st.stop()
         traceback.print_exc()
         st.error(f"**{what}** failed unexpectedly ({type(e).__name__}: {e}). The details are in the server log; "
                  "try other settings or report it with that log.")
