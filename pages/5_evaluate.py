@@ -17,7 +17,8 @@ if lm.info.modality == "text":
     st.info("Sentence encoder: evaluation compares quantized with full-precision embeddings (mean cosine) and "
             "nearest-neighbour retrieval among the evaluated sentences (top-1 agreement, recall@10).")
 elif s.data_mode == "upload":
-    st.info("Uploaded images have no labels: evaluation reports agreement with full precision and KL.")
+    st.warning("Uploaded images are not used for evaluation yet: runs on this page calibrate and evaluate on the "
+               "model's bundled data. Choose a folder in the sidebar to evaluate your own images.")
 
 with guard("Checking the configuration"):
     cfg = config_form("eval")

@@ -18,6 +18,9 @@ lm = current_model()
 s = st.session_state
 data = s.data_path if s.data_mode == "folder" else None
 
+if s.data_mode == "upload":
+    st.warning("Uploaded images are not used for calibration yet: exports calibrate on the model's bundled data. "
+               "Choose a folder in the sidebar to calibrate on your own images.")
 st.caption("Starts from the configuration of your last evaluation; change it here if you like.")
 with guard("Checking the configuration"):
     cfg = config_form("export")
