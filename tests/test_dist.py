@@ -21,6 +21,15 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
+def run_here(capsys, monkeypatch, *args: str, home: Path) -> str:
+    """A single-process run in this process (no interpreter start-up): its stdout."""
+    from vizq.cli import main
+
+    monkeypatch.setenv("VIZQ_HOME", str(home))
+    assert main(list(args)) == 0
+    return capsys.readouterr().out
+
+
 def run(*args: str, procs: int = 1, home: Path) -> subprocess.CompletedProcess:
     pre = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] if procs > 1 \
         else [sys.executable]
@@ -37,10 +46,10 @@ def test_shards_cover_every_item_once(n, world):
     assert max(map(len, parts)) - min(map(len, parts)) <= 1
 
 
-def test_two_rank_eval_equals_one_rank(tmp_path):
+def test_two_rank_eval_equals_one_rank(tmp_path, capsys, monkeypatch):
     args = ["eval", "--method", "repq", "--wbits", "4", "--abits", "4", "--calib", "16", "--images", "201",
             "--batch-size", "16"]
-    run(*args, "--json", str(tmp_path / "one.json"), home=tmp_path)
+    run_here(capsys, monkeypatch, *args, "--json", str(tmp_path / "one.json"), home=tmp_path)
     two = run(*args, "--json", str(tmp_path / "two.json"), procs=2, home=tmp_path)
     a, b = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
     assert b["eval_images"] == 201 == a["eval_images"]
@@ -53,9 +62,9 @@ def test_two_rank_eval_equals_one_rank(tmp_path):
     assert two.stdout.count("q_top1") == 1  # only rank 0 prints
 
 
-def test_two_rank_sweep_equals_jobs_run_one_by_one(tmp_path):
+def test_two_rank_sweep_equals_jobs_run_one_by_one(tmp_path, capsys, monkeypatch):
     out = tmp_path / "sweep"
-    common = ["--calib", "16", "--images", "101", "--batch-size", "16"]
+    common = ["--calib", "16", "--images", "61", "--batch-size", "16"]
     run("sweep", "--methods", "minmax,repq", "--bits", "4/4,8/8", *common, "--out", str(out), procs=2, home=tmp_path)
     files = sorted(p.name for p in out.glob("*.json"))
     assert files == ["minmax-w4a4.json", "minmax-w8a8.json", "repq-w4a4.json", "repq-w8a8.json", "results.json"]
@@ -65,15 +74,16 @@ def test_two_rank_sweep_equals_jobs_run_one_by_one(tmp_path):
     for job in ("minmax-w4a4", "repq-w8a8"):
         method, bits = job.split("-w")
         w, a = bits.split("a")
-        run("eval", "--method", method, "--wbits", w, "--abits", a, *common, "--json", str(tmp_path / "e.json"),
-            home=tmp_path)
+        run_here(capsys, monkeypatch, "eval", "--method", method, "--wbits", w, "--abits", a, *common,
+                 "--json", str(tmp_path / "e.json"), home=tmp_path)
         alone = json.loads((tmp_path / "e.json").read_text())
         for k in ("q_top1", "q_top5", "agreement", "kl", "calib_images", "eval_images"):
             assert got[job][k] == alone[k], (job, k)
     history = json.loads((tmp_path / "history.json").read_text())
     assert sum(1 for r in history if r.get("source") == "sweep:sweep") == 4
-    again = run("sweep", "--methods", "minmax,repq", "--bits", "4/4,8/8", *common, "--out", str(out), home=tmp_path)
-    assert again.stdout.count("already done") == 4  # a rerun resumes: nothing is recomputed
+    again = run_here(capsys, monkeypatch, "sweep", "--methods", "minmax,repq", "--bits", "4/4,8/8", *common,
+                     "--out", str(out), home=tmp_path)
+    assert again.count("already done") == 4  # a rerun resumes: nothing is recomputed
 
 
 def _free_port() -> int:

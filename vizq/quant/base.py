@@ -275,7 +275,7 @@ def grid_search(
         if score:
             errs.append(score(xq, x))
         elif w is None:
-            errs.append((xq - x).abs().pow(2).mean(-1))
+            errs.append((xq - x).pow_(2).mean(-1))  # = the reference's |d|^2, bit for bit
         else:
             errs.append(((xq - x).pow(2) * w).sum(-1))
     err = torch.cat(errs, 0)  # [K, G]

@@ -23,8 +23,10 @@ OMSE_RATIOS = torch.linspace(0.3, 1.0, 15)
 
 
 def uniform_asym(x: Tensor, s: Tensor, z: Tensor, qmax: int) -> Tensor:
-    """Asymmetric fake-quant: (clamp(round(x/s) + z, 0, qmax) - z) * s."""
-    return (torch.clamp(torch.round(x / s) + z, 0, qmax) - z) * s
+    """Asymmetric fake-quant: (clamp(round(x/s) + z, 0, qmax) - z) * s, the reference formula
+    (in place after the first op: the same values, half the memory traffic in searches)."""
+    q = torch.div(x, s)
+    return q.round_().add_(z).clamp_(0, qmax).sub_(z).mul_(s)
 
 
 def uniform_sym(x: Tensor, s: Tensor, qmin: int, qmax: int) -> Tensor:
