@@ -184,7 +184,9 @@ def test_ctrl_c_at_any_moment_exits_130_without_traceback(tmp_path):
         time.sleep(delay)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=120)
-        assert p.returncode == 130, err
+        # 130 from vizq, or -SIGINT when CPython re-raises the signal at exit after an interrupt that
+        # landed in the import machinery: a shell reports both as 130
+        assert p.returncode in (130, -signal.SIGINT), err
         assert "Traceback" not in err and "cancelled" in err
     assert not (tmp_path / "r.json").exists()
 
