@@ -226,16 +226,20 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 @command("export", "calibrate and write config, parameters, manifest and AIMET encodings", _export_args)
 def cmd_export(a: argparse.Namespace) -> int:
     from .atomic import check_writable
-    from .cli import resolve_device
-    from .ptq.evaluate import calibrate
+    from .ptq.evaluate import calibrate_shared
     from .ptq.export import check_destination, export
+
+    from . import dist
 
     check_destination(a.out, a.force)  # before minutes of calibration, not after
     check_writable(a.out, kind="dir")
-    dev = resolve_device(a.device)
+    ctx = dist.context(a.device)  # under torchrun: rank 0 calibrates and writes, the others wait
     lm = load_from_args(a)
     cfg = config_from_args(a)
-    cal = calibrate(lm, cfg, a.data, dev, progress=ProgressBar("calibrate"))
+    cal = calibrate_shared(lm, cfg, a.data, ctx, progress=ProgressBar("calibrate") if ctx.main else None)
+    dist.finish(ctx)
+    if not ctx.main:
+        return 0
     report_skipped(cal.skipped)
     export(cal.qmodel, a.out, cal.image_ids, force=a.force, skipped=cal.skipped)
     print(f"wrote {a.out}: config.json, quant_params.json, params.safetensors, manifest.json, aimet_encodings.json "
