@@ -205,6 +205,7 @@ def test_ctrl_c_at_any_moment_exits_130_without_traceback(tmp_path):
     (["eval", "--override", "blocks.*.attn.softmx=log2"], ["matches no site", "blocks.0.attn.softmax"]),
     (["eval", "--override", "post_ln=uniform:granularity=head"], ["granularity='head'", "post_ln"]),
     (["eval", "--method", "nope"], ["invalid choice"]),
+    (["sweep", "--methods", "minmax", "--bits", "4", "--out", "/tmp"], ["W/A pairs"]),
 ])
 def test_bad_arguments_are_one_clear_line(capsys, argv, words):
     code, _, err = cli(capsys, *argv)
@@ -288,3 +289,10 @@ def test_none_readable_names_the_files_and_why(tmp_path, capsys):
         (d / f"x{i}.png").write_bytes(b"garbage")
     code, _, err = cli(capsys, "eval", "--model", "vizq-vit-tiny", "--data", str(d), "--calib", "2", "--images", "2")
     one_line_error(code, err, "none of the 2 calibration images could be read", ".png")
+
+
+def test_sweep_never_writes_into_a_folder_it_did_not_start(tmp_path, capsys):
+    (tmp_path / "results.json").write_text("mine")
+    code, _, err = cli(capsys, "sweep", "--methods", "minmax", "--bits", "4/4", "--images", "5", "--out", str(tmp_path))
+    one_line_error(code, err, "not a vizq sweep folder")
+    assert (tmp_path / "results.json").read_text() == "mine"

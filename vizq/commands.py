@@ -315,6 +315,12 @@ def cmd_sweep(a: argparse.Namespace) -> int:
                      a.override, calib=a.calib, seed=a.seed, batch_size=a.batch_size)
     check_writable(a.out, kind="dir")
     ctx = dist.context(a.device)
+    if ctx.main:
+        from pathlib import Path
+
+        from .sweep import claim_folder
+
+        claim_folder(Path(a.out))  # before the model loads: a foreign folder is refused at once
     lm = load_from_args(a)
     rows = run_sweep(lm, jobs, a.out, a.data, a.images, ctx, log=print if ctx.main else None)
     dist.finish(ctx)

@@ -72,6 +72,21 @@ def plan_jobs(methods: list[str], bits: list[str], override_sets: list[str], com
     return jobs
 
 
+MARKER = ".vizq-sweep"
+
+
+def claim_folder(out: Path) -> None:
+    """Make ``out`` a sweep folder, or refuse: a folder that exists, holds files and was not
+    started by a sweep is the user's, and job or results files must not overwrite theirs."""
+    from .errors import DestinationError
+
+    if out.is_dir() and not (out / MARKER).exists() and any(out.iterdir()):
+        raise DestinationError(f"{out} holds files and is not a vizq sweep folder; vizq never overwrites what it "
+                               "did not write. Choose a new or empty --out")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).touch()
+
+
 def _done(path: Path) -> dict[str, Any] | None:
     try:
         rec = json.loads(path.read_text())
@@ -86,7 +101,8 @@ def run_sweep(loaded: Any, jobs: list[Job], out: str | Path, data: str | None, n
     from .ptq.evaluate import run_eval
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    claim_folder(out)
+    dist.barrier(ctx)
     for i, job in enumerate(jobs):
         if i % ctx.world != ctx.rank:
             continue
