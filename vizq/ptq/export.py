@@ -127,10 +127,13 @@ def snapshot(qm: QuantizedModel, calib_ids: list[str] | None = None,
 
 
 def export(qm: QuantizedModel, out_dir: str | Path, calib_ids: list[str] | None = None, force: bool = False,
-           skipped: list[str] | None = None) -> Path:
+           skipped: list[str] | None = None, extra: dict[str, bytes] | None = None,
+           manifest_extra: dict[str, Any] | None = None) -> Path:
     """Write the folder; returns its path. An existing ``out_dir`` is replaced only if it is a
-    vizq export (or with ``force``); ``skipped`` names calibration files that could not be read."""
+    vizq export (or with ``force``); ``skipped`` names calibration files that could not be read.
+    ``extra`` files (e.g. ``model.onnx``) are committed in the same atomic step as the rest."""
     tensors, sites_json, manifest = snapshot(qm, calib_ids, skipped)
+    manifest.update(manifest_extra or {})
     enc, _ = aimet_encodings(qm)
     with atomic.atomic_dir(out_dir, is_ours=is_export, force=force) as tmp:
         (tmp / "config.json").write_text(qm.config.to_json() + "\n")
@@ -139,6 +142,8 @@ def export(qm: QuantizedModel, out_dir: str | Path, calib_ids: list[str] | None 
         (tmp / "params.safetensors").write_bytes(save(tensors, metadata={"format": FORMAT}))
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         (tmp / "aimet_encodings.json").write_text(json.dumps(enc, indent=2) + "\n")
+        for name, data in (extra or {}).items():
+            (tmp / name).write_bytes(data)
     return Path(out_dir)
 
 
