@@ -267,23 +267,51 @@ def export_onnx(a: argparse.Namespace) -> int:
     report_skipped(dep.deployed.skipped)
     for c in dep.changed:
         print(f"changed: {c['site']}: {c['was']} -> {c['now']}")
-    p = dep.parity
-    if p:
-        row = {"images": p["images"], "fp_top1": p["fp_top1"], "research_top1": p["research_top1"],
-               "vizq_top1": p["vizq_top1"], "ort_top1": p["ort_top1"], "agreement_ort_vizq": p["agreement"],
-               "noise_floor": p["noise_floor_agreement"], "agreement_stable": p["agreement_stable"],
-               "max_abs_logit_diff": p["max_abs_logit_diff"]}
-        print_table([{k: v for k, v in row.items() if v is not None}])
-        print(f"noise floor: vizq itself, float64 vs float32 arithmetic, agrees on {p['noise_floor_agreement']:.2f}% "
-              f"of images; on the {p['stable_images']} images where that does not change vizq's answer, "
-              f"ORT agrees on {p['agreement_stable']:.2f}%")
-        first = next((r for r in p["sites"] if r["changed_pct"] > 0), None)
-        if first:
-            print(f"ORT and vizq first differ at {first['site']} ({first['changed_pct']:.4f}% of values one level "
-                  "apart: float rounding differences, amplified by later sites)")
+    if dep.parity:
+        print_parity(dep.parity)
     write(dep, a.out, a.force)
     print(f"wrote {a.out}: model.onnx (QDQ, opset 21), deploy.json and the vizq export of the deployable "
           f"configuration ({len(dep.changed)} site(s) changed, calibrated on {len(dep.deployed.image_ids)} samples)")
+    return 0
+
+
+def print_parity(p: dict) -> None:
+    """The ORT-vs-vizq table, the noise floor that qualifies it, and where the two first differ."""
+    row = {"images": p["images"], "fp_top1": p["fp_top1"], "research_top1": p["research_top1"],
+           "vizq_top1": p["vizq_top1"], "ort_top1": p["ort_top1"], "agreement_ort_vizq": p["agreement"],
+           "noise_floor": p["noise_floor_agreement"], "agreement_stable": p["agreement_stable"],
+           "max_abs_logit_diff": p["max_abs_logit_diff"]}
+    print_table([{k: v for k, v in row.items() if v is not None}])
+    print(f"noise floor: vizq itself, float64 vs float32 arithmetic, agrees on {p['noise_floor_agreement']:.2f}% "
+          f"of images; on the {p['stable_images']} images where that does not change vizq's answer, "
+          f"ORT agrees on {p['agreement_stable']:.2f}%")
+    first = next((r for r in p["sites"] if r["changed_pct"] > 0), None)
+    if first:
+        print(f"ORT and vizq first differ at {first['site']} ({first['changed_pct']:.4f}% of values one level "
+              "apart: float rounding differences, amplified by later sites)")
+
+
+def _onnx_check_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("export", help="a folder written by `vizq export --format onnx`")
+    p.add_argument("--data", default="bundled", help="'bundled' or an image folder (ImageFolder / flat)")
+    p.add_argument("--images", type=positive("--images"), default=200, help="held-out images to check")
+    p.add_argument("--json", default=None)
+
+
+@command("onnx-check", "run an exported model.onnx in ONNX Runtime next to vizq's model of the same export",
+         _onnx_check_args)
+def cmd_onnx_check(a: argparse.Namespace) -> int:
+    from .ptq.deploy import check, load
+    from .ptq.evaluate import eval_split
+
+    check_outputs(a)
+    lm = load_from_args(a)
+    dep = load(a.export, lm)
+    images, idx = eval_split(lm, dep.deployed.qmodel.config, a.data, a.images)
+    dep.parity = check(lm, dep, images, idx, a.batch_size, progress=ProgressBar("onnx-check"))
+    print_parity(dep.parity)
+    write_json_out(a.json, dep.parity)
     return 0
 
 

@@ -23,10 +23,10 @@ import torch
 
 from ..capture import site_hooks
 from ..errors import Cancelled, InputError
-from .config import QuantConfig
+from .config import ConfigError, QuantConfig
 from .engine import QuantizedModel
 from .evaluate import Calibration, calibrate, eval_split
-from .qdq import OPSET, Graph, build, qdq_for
+from .qdq import OPSET, Entry, Graph, Qdq, build, qdq_for
 
 Progress = Callable[[int, int, str], None]
 
@@ -95,7 +95,10 @@ class Deployment:
         """What ``deploy.json`` holds (and the Export page shows)."""
         return {"format": "onnx-qdq", "opset": OPSET, "non_uniform": self.choice.value,
                 "changed_sites": self.changed, "sites": self.forms, "parity": self.parity,
-                "seconds": self.seconds, "research_config": self.research.qmodel.config.to_dict()}
+                "seconds": self.seconds, "research_config": self.research.qmodel.config.to_dict(),
+                "entries": [{"site": e.site, "weight": e.weight, "bits": e.qdq.bits, "signed": e.qdq.signed,
+                             "axis": e.qdq.axis, "scale": np.asarray(e.qdq.scale).tolist(),
+                             "zero_point": np.asarray(e.qdq.zero_point).tolist()} for e in self.graph.entries]}
 
 
 def prepare(loaded: Any, config: QuantConfig, data: str | None = None, choice: NonUniform = NonUniform.UNIFORM,
@@ -236,6 +239,37 @@ def site_divergence(dep: Deployment, x: torch.Tensor) -> list[dict[str, Any]]:
         d = (torch.from_numpy(ort_t) - ref).abs() / s
         rows.append({"site": site, "max_steps": float(d.max()), "changed_pct": 100.0 * float((d > 0.5).double().mean())})
     return rows
+
+
+def load(path: str | Path, loaded: Any) -> Deployment:
+    """An ONNX export folder back as a :class:`Deployment` (its vizq model reloaded bit-exactly,
+    its graph read and checked), so it can be checked again; a damaged folder is one clear error."""
+    import onnx
+
+    from .export import _read_json, load_export
+
+    path = Path(path)
+    qm = load_export(path, loaded)
+    graph_file, report_file = path / "model.onnx", path / "deploy.json"
+    if not graph_file.is_file() or not report_file.is_file():
+        raise ConfigError(f"{path} has no model.onnx/deploy.json: it was not exported with --format onnx; export again")
+    data = graph_file.read_bytes()
+    try:
+        onnx.checker.check_model(onnx.load_from_string(data), full_check=True)
+    except Exception as e:  # noqa: BLE001 - any parser/checker failure means a damaged file
+        raise ConfigError(f"{path.name}/model.onnx is damaged ({type(e).__name__}: {str(e)[:120]}); export again") from None
+    report = _read_json(report_file)
+    if not isinstance(report, dict) or report.get("format") != "onnx-qdq":
+        raise ConfigError(f"{path.name}/deploy.json is not a vizq ONNX report; export again")
+    entries = [Entry(e["site"], _qdq_from(e), e["weight"]) for e in report.get("entries", [])]
+    cal = Calibration(qm, list(qm.calib_ids), [], 0.0)
+    return Deployment(cal, cal, NonUniform(report.get("non_uniform", "uniform")), Graph(data, entries),
+                      report.get("changed_sites", []), report.get("sites", []), report.get("parity"))
+
+
+def _qdq_from(e: dict[str, Any]) -> Qdq:
+    return Qdq(np.asarray(e["scale"], dtype=np.float32), np.asarray(e["zero_point"], dtype=np.int64), e["axis"],
+               e["bits"], e["signed"])
 
 
 def write(dep: Deployment, out: str | Path, force: bool = False) -> Path:
