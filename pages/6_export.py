@@ -4,14 +4,17 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+import pandas as pd
+import plotly.express as px
 import streamlit as st
 
 from vizq.ptq.config import QuantConfig
+from vizq.ptq.deploy import NonUniform, archive, prepare
 from vizq.ptq.evaluate import calibrate, run_eval
 from vizq.ptq.export import export
 from vizq.ui import jobs
 from vizq.ui.presets import config_form
-from vizq.ui.state import current_model, guard
+from vizq.ui.state import chart, current_model, guard
 
 st.title("Export")
 lm = current_model()
@@ -54,6 +57,62 @@ if s.get("export_zip"):
                        mime="application/json", on_click="ignore")
     c3.download_button("AIMET encodings", s.export_aimet, file_name="aimet_encodings.json", mime="application/json",
                        on_click="ignore")
+
+st.subheader("Deployable: ONNX QDQ, checked in ONNX Runtime")
+st.caption("Writes a standard ONNX graph (QuantizeLinear/DequantizeLinear, opset 21) of this configuration and "
+           "runs it in ONNX Runtime (CPU) next to vizq's own fake-quantized model on held-out images.")
+o1, o2 = st.columns(2)
+choice = o1.radio("Sites whose quantizer has no QDQ form (log√2, AdaLog, twin, MX …)",
+                  [c.value for c in NonUniform], key="onnx-choice", horizontal=True,
+                  format_func=lambda v: {"uniform": "replace by uniform (same bits, recalibrated)",
+                                         "float": "keep in float"}[v])
+n_check = o2.number_input("Images to check", 0, 50000, 200, step=50, key="onnx-n",
+                          help="0: build the graph without running it")
+if st.button("Build model.onnx and check it"):
+    s.pop("onnx_result", None)
+    jobs.start("onnx-job", lambda **kw: prepare(lm, cfg, data, NonUniform(choice), int(n_check), **kw))
+jobs.show("onnx-job", lambda dep: s.update(onnx_result={"report": dep.report(), "zip": archive(dep),
+                                                        "onnx": dep.graph.model}))
+if s.get("onnx_result"):
+    rep = s.onnx_result["report"]
+    p = rep["parity"]
+    if p:
+        labels = p["labels"]
+        m1, m2, m3, m4 = st.columns(4)
+        if labels:
+            m1.metric("Research (vizq fake-quant) top-1", f"{p['research_top1']:.2f}%")
+            m2.metric("Deployable (ORT, QDQ graph) top-1", f"{p['ort_top1']:.2f}%",
+                      delta=f"{p['ort_top1'] - p['research_top1']:+.2f} pts")
+        else:
+            m1.metric("Research model agrees with FP", "see Evaluate")
+            m2.metric("Images (no labels: agreement only)", p["images"])
+        m3.metric("ORT agrees with vizq (top-1)", f"{p['agreement']:.2f}%")
+        m4.metric("vizq fp32 vs fp64 (noise floor)", f"{p['noise_floor_agreement']:.2f}%")
+        st.caption(f"{p['images']} held-out images{'' if labels else ' without labels'}. vizq's deployable model "
+                   f"{'top-1 ' + format(p['vizq_top1'], '.2f') + '%' if labels else ''}; max |logit difference| "
+                   f"ORT vs vizq {p['max_abs_logit_diff']:.3g}. The noise floor is vizq against itself with float64 "
+                   f"arithmetic between the quantizers: a quantized ViT's top-1 can hinge on float rounding, so "
+                   f"no runtime can agree beyond it. On the {p['stable_images']} images where vizq's answer does not "
+                   f"depend on it, ORT agrees on {p['agreement_stable']:.2f}%.")
+        sites = pd.DataFrame(p["sites"])
+        if not sites.empty:
+            fig = px.line(sites, x="site", y="changed_pct", markers=True, log_y=bool((sites.changed_pct > 0).any()),
+                          labels={"changed_pct": "values on another level (%)", "site": "site (network order)"},
+                          title="Where ORT and vizq diverge (first images)")
+            fig.update_yaxes(exponentformat="power")
+            chart(fig, sites, "onnx-site-divergence")
+    if rep["changed_sites"]:
+        st.markdown(f"**{len(rep['changed_sites'])} site(s) had to change** (no QDQ form):")
+        st.dataframe(pd.DataFrame(rep["changed_sites"]), hide_index=True, width="stretch")
+    else:
+        st.markdown("Every quantized site has an exact QDQ form; nothing had to change.")
+    with st.expander("How each site is written"):
+        st.dataframe(pd.DataFrame(rep["sites"]), hide_index=True, width="stretch")
+    d1, d2 = st.columns(2)
+    d1.download_button("model.onnx", s.onnx_result["onnx"], file_name="model.onnx", mime="application/octet-stream",
+                       on_click="ignore")
+    d2.download_button("Everything (zip: model.onnx, deploy.json, vizq export)", s.onnx_result["zip"],
+                       file_name="vizq-onnx-export.zip", mime="application/zip", on_click="ignore")
 
 st.subheader("Import a configuration and re-evaluate it")
 up = st.file_uploader("QuantConfig (.json / .yaml)", type=["json", "yaml", "yml"])

@@ -140,3 +140,24 @@ def test_every_page_accepts_the_text_model(app):
     at.run()
     assert any("reads text" in i.value for i in at.info)  # the image overlay says why it is hidden
     assert len(at.get("plotly_chart")) >= 3
+
+
+def test_export_page_builds_onnx_and_shows_research_vs_deployable(app, tmp_path):
+    from vizq.models import load_model
+    from vizq.ptq.deploy import load
+
+    at = _goto(app, "pages/6_export.py")
+    at.number_input(key="onnx-n").set_value(40)
+    next(b for b in at.button if b.label.startswith("Build model.onnx")).click().run()
+    deadline = time.time() + 120
+    while time.time() < deadline and "onnx_result" not in at.session_state:
+        time.sleep(1)
+        at.run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    labels = {m.label: m.value for m in at.metric}
+    assert labels["ORT agrees with vizq (top-1)"].endswith("%")
+    assert "Research (vizq fake-quant) top-1" in labels and "Deployable (ORT, QDQ graph) top-1" in labels
+    assert any("site(s) had to change" in m.value for m in at.markdown)  # the default repq has log√2 softmax
+    zipfile.ZipFile(io.BytesIO(at.session_state["onnx_result"]["zip"])).extractall(tmp_path)
+    dep = load(tmp_path / "vizq-onnx-export", load_model("vizq-vit-tiny"))
+    assert dep.parity["images"] == 40 and dep.graph.model == at.session_state["onnx_result"]["onnx"]

@@ -282,3 +282,19 @@ def write(dep: Deployment, out: str | Path, force: bool = False) -> Path:
                   extra={"model.onnx": dep.graph.model, "deploy.json": (json.dumps(report, indent=2) + "\n").encode()},
                   manifest_extra={"onnx": {"file": "model.onnx", "opset": OPSET, "non_uniform": dep.choice.value,
                                            "changed_sites": len(dep.changed)}})
+
+
+def archive(dep: Deployment) -> bytes:
+    """The export folder as a zip (for a browser download): written by :func:`write` to a
+    temporary folder first, so the zip holds exactly what the CLI would have written."""
+    import io
+    import tempfile
+    import zipfile
+
+    buf = io.BytesIO()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = write(dep, Path(tmp) / "vizq-onnx-export")
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+            for f in sorted(out.iterdir()):
+                z.write(f, f"vizq-onnx-export/{f.name}")
+    return buf.getvalue()
