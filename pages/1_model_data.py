@@ -3,7 +3,7 @@ import pandas as pd
 import streamlit as st
 
 from vizq.capture import summary_rows
-from vizq.models import BUNDLED, SUPPORTED_ARCHS
+from vizq.models import BUNDLED, REAL_DEFAULT, SUPPORTED_ARCHS
 from vizq.text import MINILM
 from vizq.sites import KIND_HELP, count_by_kind
 from vizq.ui.state import chart_table, current_capture, current_model, guard, save_upload
@@ -15,9 +15,13 @@ archs = [a for names in SUPPORTED_ARCHS.values() for a in names]
 with st.form("model"):
     modes = ["bundled", "timm", "checkpoint", "text"]
     mode = st.radio("Model", modes, horizontal=True, key="model_mode_widget", index=modes.index(s.model_mode),
-                    format_func={"bundled": f"Bundled ({BUNDLED})", "timm": "timm architecture",
+                    format_func={"bundled": "Bundled (no download)", "timm": "timm architecture",
                                  "checkpoint": "Local checkpoint",
                                  "text": f"Text encoder ({MINILM}, real pretrained weights)"}.get)
+    shipped = [REAL_DEFAULT, BUNDLED]
+    pick_bundled = st.selectbox("Bundled model", shipped, index=shipped.index(s.model_spec) if s.model_spec in shipped else 0,
+                                format_func={REAL_DEFAULT: f"{REAL_DEFAULT} (real ImageNet weights, 224 px)",
+                                             BUNDLED: f"{BUNDLED} (trained here on digits, 32 px, fast)"}.get)
     arch = st.selectbox("Architecture (timm name; tags like .augreg_in21k_ft_in1k go in the box below)", archs)
     tag = st.text_input("Optional tag", "")
     random_init = st.checkbox("Random init (no download; for structure)", value=True)
@@ -27,7 +31,7 @@ with st.form("model"):
     if st.form_submit_button("Load model", type="primary"):
         kwargs = {} if mode == "bundled" else {"img_size": int(img_size)} if img_size != 224 else {}
         if mode == "bundled":
-            spec = BUNDLED
+            spec = pick_bundled
         elif mode == "text":
             spec, kwargs = (ckpt_path.strip() or MINILM), {}
         elif mode == "timm":

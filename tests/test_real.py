@@ -5,30 +5,31 @@ when that folder is absent, as on a user's fresh clone.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-WEIGHTS = SHARED / "vit_tiny_patch16_224.augreg_in21k_ft_in1k.safetensors"
 IMAGES = SHARED / "imagenet-sample-500"
-pytestmark = pytest.mark.skipif(not (WEIGHTS.is_file() and IMAGES.is_dir()),
-                                reason=f"real ViT-Ti weights and ImageNet sample not found at {SHARED}")
-SPEC = f"vit_tiny_patch16_224.augreg_in21k_ft_in1k@{WEIGHTS}"
+needs_images = pytest.mark.skipif(not IMAGES.is_dir(), reason=f"the real ImageNet sample was not found at {IMAGES}")
 
 
 @pytest.fixture(scope="module")
 def vit():
-    from vizq.models import load_model
+    """The real ViT-Ti/16 shipped in assets/, loaded by its timm name (no network, no ../shared)."""
+    from vizq.models import REAL_DEFAULT, load_model
 
-    return load_model(SPEC)
+    return load_model(REAL_DEFAULT)
 
 
 @pytest.fixture(scope="module")
 def photos(vit):
     from vizq.data import resolve_images
 
+    if not IMAGES.is_dir():
+        pytest.skip(f"the real ImageNet sample was not found at {IMAGES}")
     return resolve_images(vit, str(IMAGES), "eval")
 
 
@@ -44,17 +45,45 @@ def _tensor(vit, photos, site_name: str, n: int = 8) -> torch.Tensor:
     return torch.cat(kept)
 
 
-def test_pretrained_preprocessing_and_accuracy(vit, photos):
-    """timm's pretrained_cfg for the augreg tag: bicubic, crop 0.9, mean = std = 0.5 (ImageNet's
-    mean/std would cost ~30 points); the real model is right on real images."""
-    cfg = vit.info.data_config
+def test_the_timm_name_loads_the_bundled_weights_offline_with_the_tags_preprocessing(vit):
+    from vizq.models import ASSETS, load_model
+
+    assert vit.info.weights_source.startswith("bundled") and vit.info.num_blocks == 12
+    cfg = vit.info.data_config  # timm's pretrained_cfg for the augreg tag, not ImageNet's mean/std
     assert cfg["interpolation"] == "bicubic" and cfg["crop_pct"] == 0.9
     assert cfg["mean"] == [0.5, 0.5, 0.5] and cfg["std"] == [0.5, 0.5, 0.5]
-    right = 0
+    same = load_model(f"vit_tiny_patch16_224@{ASSETS / 'vit_tiny_patch16_224.augreg_in21k_ft_in1k.safetensors'}")
+    assert same.info.weights_sha256 == vit.info.weights_sha256
+    assert load_model("vit_tiny_patch16_224").info.weights_sha256 == vit.info.weights_sha256  # the default tag
+
+
+def test_a_damaged_bundled_file_is_refused_not_used(tmp_path, monkeypatch):
+    from vizq import models
+
+    name, _ = models.BUNDLED_TIMM[models.REAL_DEFAULT]
+    data = bytearray((models.ASSETS / name).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (tmp_path / name).write_bytes(bytes(data))
+    monkeypatch.setattr(models, "ASSETS", tmp_path)
+    with pytest.raises(models.ModelLoadError, match="damaged"):
+        models.load_model(models.REAL_DEFAULT)
+
+
+@needs_images
+def test_pretrained_preprocessing_decides_accuracy(vit, photos):
+    """Right normalisation: ~83 % on this sample; ImageNet's mean/std: ~51 %."""
+    from timm.data import create_transform
+
+    idx = list(range(0, 500, 10))
+    wrong_tf = create_transform(**{**vit.info.data_config, "mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)})
+    right = wrong = 0
     with torch.no_grad():
-        for xb, yb, _ in vit.iterate(photos, list(range(0, 500, 10)), 25):
+        for xb, yb, _ in vit.iterate(photos, idx, 25):
             right += int((vit.model(xb).argmax(-1) == yb).sum())
-    assert right >= 36  # 50 images; the model has ~83 % top-1 on this sample
+        wrong_vit = dataclasses.replace(vit, transform=wrong_tf)
+        for xb, yb, _ in wrong_vit.iterate(photos, idx, 25):
+            wrong += int((vit.model(xb).argmax(-1) == yb).sum())
+    assert right >= 36 and wrong <= right - 8, (right, wrong)  # 50 images
 
 
 def test_massive_activations_are_found_where_they_are(vit, photos):

@@ -434,23 +434,12 @@ def cmd_massive(a: argparse.Namespace) -> int:
           f"in {len(idx)} images")
     out: dict = {"ratio": a.ratio, "images": len(idx), "sites": [f.row() for f in found]}
     if site is not None:
-        from .capture import site_hooks
+        from .massive import consumer_weight, site_tensor
 
-        kept: list = []
-        with site_hooks(lm.model, [site], lambda s, x: kept.append(x.detach().cpu())):
-            for xb, _, _ in lm.iterate(images, idx, a.batch_size):
-                lm.model(xb)
-        x = torch_cat(kept)
-        w = lm.model.get_submodule(site.consumers[0]).weight if site.consumers else None
-        study = range_study(x, w, a.bits)
+        x = site_tensor(lm, images, idx, site, a.batch_size)
+        study = range_study(x, consumer_weight(lm, site), a.bits)
         print(f"\nuniform {a.bits}-bit range choices at {site.name} ({tuple(x.shape)}):")
         print_table(study)
         out["range_study"] = {"site": site.name, "bits": a.bits, "rows": study}
     write_json_out(a.json, out)
     return 0
-
-
-def torch_cat(xs: list):  # noqa: ANN201 - keeps torch out of this module's import time
-    import torch
-
-    return torch.cat(xs, 0)

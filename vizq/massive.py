@@ -113,7 +113,7 @@ def range_study(x: Tensor, weight: Tensor | None, bits: int, ratio: float = RATI
     from .quant.uniform import asym_params, uniform_asym
 
     g = x.detach().float().reshape(1, -1)
-    mask = massive_mask(g)
+    mask = massive_mask(g, ratio)
     qmax = 2**bits - 1
     probs = (0.999, 0.9999, 0.99999)
     q = quantiles(g, [*probs, *(1.0 - p for p in probs)])
@@ -135,3 +135,19 @@ def range_study(x: Tensor, weight: Tensor | None, bits: int, ratio: float = RATI
             row["output_rel_per_token"] = float(token_relative_output_error(err[None], flat, w))
         rows.append(row)
     return rows
+
+
+@torch.no_grad()
+def site_tensor(loaded: Any, images: Any, indices: list[int], site: Site, batch_size: int = 32) -> Tensor:
+    """The float model's tensor at ``site`` for ``images[indices]``, batches concatenated
+    (what :func:`range_study` studies)."""
+    kept: list[Tensor] = []
+    with site_hooks(loaded.model, [site], lambda s, x: kept.append(x.detach().cpu())):
+        for xb, _, _ in loaded.iterate(images, indices, batch_size):
+            loaded.model(xb)
+    return torch.cat(kept)
+
+
+def consumer_weight(loaded: Any, site: Site) -> Tensor | None:
+    """The weight of the Linear the site feeds (for output-aware errors), if any."""
+    return loaded.model.get_submodule(site.consumers[0]).weight if site.consumers else None

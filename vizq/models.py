@@ -31,6 +31,12 @@ from .sites import Site, discover_sites
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED = "vizq-vit-tiny"
+#: Real pretrained weights shipped in assets/ (see assets/VIT_TINY_NOTICE.md): timm name ->
+#: (file, sha256). Loading the name reads the file first, the hub only when it is missing.
+REAL_DEFAULT = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
+BUNDLED_TIMM = {REAL_DEFAULT: (f"{REAL_DEFAULT}.safetensors",
+                               "3f1f07da5e1337265ac1eb0234d13841467caf730b3c4240bd3f98c49bc16a92")}
+_DEFAULT_TAGS = {"vit_tiny_patch16_224": REAL_DEFAULT}  # timm's default tag for the bare name
 HUB_HOST = ("huggingface.co", 443)
 
 #: Architectures we test against (all random-init in CI), grouped by family.
@@ -238,6 +244,11 @@ def _load_timm(spec: str, checkpoint: str | None = None, pretrained: bool | None
     if pretrained is None:
         pretrained = not random_init and checkpoint is None
     fam = family_of(arch)
+    bundled = _bundled_file(arch) if pretrained and not checkpoint else None
+    if bundled is not None:
+        model = _create(_DEFAULT_TAGS.get(arch, arch), **kw)
+        load_state_checked(model, read_checkpoint(str(bundled)), bundled.name)
+        return finish(model, arch, base, fam, _imagenet_class_names(model.num_classes), f"bundled (assets/{bundled.name})")
     if pretrained and not checkpoint:
         if not hub_reachable():
             raise ModelLoadError(
@@ -251,7 +262,7 @@ def _load_timm(spec: str, checkpoint: str | None = None, pretrained: bool | None
         except Exception as e:  # noqa: BLE001
             raise ModelLoadError(f"downloading pretrained weights for {arch} failed: {e}") from e
         return finish(model, arch, arch, fam, _imagenet_class_names(model.num_classes), "timm-hub")
-    model = timm.create_model(base, pretrained=False, **kw)
+    model = _create(arch, **kw)
     if checkpoint:
         sd = read_checkpoint(checkpoint)
         filt = getattr(__import__(type(model).__module__, fromlist=["x"]), "checkpoint_filter_fn", None)
@@ -264,6 +275,30 @@ def _load_timm(spec: str, checkpoint: str | None = None, pretrained: bool | None
         src = f"checkpoint:{Path(checkpoint).name}"
         return finish(model, f"{base}@{Path(checkpoint).name}", base, fam, _imagenet_class_names(model.num_classes), src)
     return finish(model, f"random:{base}", base, fam, _imagenet_class_names(model.num_classes), "random-init")
+
+
+def _create(arch: str, **kw: Any) -> nn.Module:
+    """timm model without weights, keeping the tag so its pretrained_cfg (preprocessing) is the
+    tag's own: ``vit_tiny_patch16_224.augreg_in21k_ft_in1k`` normalises with mean = std = 0.5."""
+    try:
+        return timm.create_model(arch, pretrained=False, **kw)
+    except RuntimeError:  # a tag timm does not know: the architecture's default configuration
+        return timm.create_model(arch.split(".")[0], pretrained=False, **kw)
+
+
+def _bundled_file(arch: str) -> Path | None:
+    """The shipped weights for ``arch``, verified, or None when this name has none (or the
+    file was removed: then the hub path applies). A file whose hash differs is an error,
+    never silently used."""
+    entry = BUNDLED_TIMM.get(_DEFAULT_TAGS.get(arch, arch))
+    if entry is None or not (ASSETS / entry[0]).is_file():
+        return None
+    path = ASSETS / entry[0]
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != entry[1]:
+        raise ModelLoadError(f"assets/{path.name} is damaged (sha256 {digest[:12]}…, expected {entry[1][:12]}…); "
+                             "restore it with `git checkout -- assets/`")
+    return path
 
 
 #: (predicate on spec, loader). First match wins; vizq.text registers the text family.
@@ -290,7 +325,9 @@ def load_model(spec: str, **kwargs: Any) -> LoadedModel:
 
 def list_models() -> list[dict[str, str]]:
     """What can be loaded here and what needs weights first."""
-    rows = [{"spec": BUNDLED, "family": "vit", "weights": "bundled (assets/)", "ready": "yes"}]
+    rows = [{"spec": BUNDLED, "family": "vit", "weights": "bundled (assets/, digits)", "ready": "yes"}]
+    rows += [{"spec": n, "family": "vit", "weights": "bundled (assets/, real ImageNet weights)", "ready": "yes"}
+             for n in BUNDLED_TIMM]
     for fam, names in SUPPORTED_ARCHS.items():
         for n in names:
             rows.append({"spec": n, "family": fam, "weights": "timm hub (network) or NAME@FILE", "ready": "needs weights"})

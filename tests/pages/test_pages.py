@@ -24,6 +24,7 @@ PAGES = {
 @pytest.fixture()
 def app(tmp_path, monkeypatch):
     monkeypatch.setenv("VIZQ_HOME", str(tmp_path))
+    monkeypatch.setenv("VIZQ_DASHBOARD_MODEL", "vizq-vit-tiny")  # the fast fixture; the real default has its own test
     monkeypatch.chdir(ROOT)
     st.cache_resource.clear()
     st.cache_data.clear()
@@ -161,3 +162,23 @@ def test_export_page_builds_onnx_and_shows_research_vs_deployable(app, tmp_path)
     zipfile.ZipFile(io.BytesIO(at.session_state["onnx_result"]["zip"])).extractall(tmp_path)
     dep = load(tmp_path / "vizq-onnx-export", load_model("vizq-vit-tiny"))
     assert dep.parity["images"] == 40 and dep.graph.model == at.session_state["onnx_result"]["onnx"]
+
+
+def test_dashboard_opens_on_the_real_vit_and_shows_its_massive_activations(monkeypatch):
+    """No VIZQ_DASHBOARD_MODEL: the first screen is the bundled real ViT-Ti on scikit-image's
+    photographs, and the massive-activation view finds what real ViTs have."""
+    monkeypatch.delenv("VIZQ_DASHBOARD_MODEL", raising=False)
+    monkeypatch.chdir(ROOT)
+    st.cache_resource.clear()
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=300)
+    at.run()
+    assert not at.exception
+    labels = {m.label: m.value for m in at.metric}
+    assert labels["blocks"] == "12" and labels["weights"].startswith("bundled") and labels["input"] == "3×224×224"
+    assert any("scikit-image photographs" in m.value for m in at.sidebar.markdown)
+    at = _goto(at, "pages/7_massive.py")
+    found = {m.label: m.value for m in at.metric}
+    assert not found["sites with massive values"].startswith("0 ")
+    assert float(found["largest |x| / median"].rstrip("×").replace(",", "")) >= 1000
+    assert len(at.get("plotly_chart")) >= 3  # sites, locations, range study
+    st.cache_resource.clear()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import traceback
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -16,10 +17,14 @@ import pandas as pd
 import streamlit as st
 
 from ..errors import is_user_error, message
+from ..models import REAL_DEFAULT
 
+#: The dashboard opens on the bundled real ViT-Ti (ImageNet weights in assets/) with the
+#: photographs scikit-image ships; VIZQ_DASHBOARD_MODEL picks another (the page tests use the
+#: fast digits model).
 DEFAULTS = {
     "model_mode": "bundled",
-    "model_spec": "vizq-vit-tiny",
+    "model_spec": os.environ.get("VIZQ_DASHBOARD_MODEL", REAL_DEFAULT),
     "model_kwargs": {},
     "data_mode": "bundled",
     "data_path": "",
@@ -70,6 +75,16 @@ def data_key() -> str:
         h = hashlib.sha256(b"".join(b for _, b in s.uploads)).hexdigest()[:12]
         return f"upload:{h}"
     return "bundled"
+
+
+def data_label() -> str:
+    """What the sidebar says the images are (the bundled set depends on the model)."""
+    from ..models import BUNDLED
+
+    s = st.session_state
+    if s.data_mode != "bundled":
+        return data_key()
+    return "bundled MNIST digits" if s.model_spec == BUNDLED else "scikit-image photographs (bundled, no labels)"
 
 
 def current_images(lm: Any, part: str = "eval") -> Any:
