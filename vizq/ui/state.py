@@ -24,7 +24,7 @@ from ..models import REAL_DEFAULT
 #: fast digits model).
 DEFAULTS = {
     "model_mode": "bundled",
-    "model_spec": os.environ.get("VIZQ_DASHBOARD_MODEL", REAL_DEFAULT),
+    "model_spec": REAL_DEFAULT,
     "model_kwargs": {},
     "data_mode": "bundled",
     "data_path": "",
@@ -35,7 +35,8 @@ DEFAULTS = {
 
 
 def init_state() -> None:
-    for k, v in DEFAULTS.items():
+    env = os.environ.get("VIZQ_DASHBOARD_MODEL")  # read per session, not at import
+    for k, v in {**DEFAULTS, **({"model_spec": env} if env else {})}.items():
         st.session_state.setdefault(k, v)
 
 
