@@ -9,7 +9,7 @@ import plotly.express as px
 import streamlit as st
 
 from vizq.ptq.config import QuantConfig
-from vizq.ptq.deploy import NonUniform, archive, prepare
+from vizq.ptq.deploy import NonUniform, archive, first_difference, prepare
 from vizq.ptq.evaluate import calibrate, run_eval
 from vizq.ptq.export import export
 from vizq.ui import jobs
@@ -94,6 +94,9 @@ if s.get("onnx_result"):
                    f"arithmetic between the quantizers: a quantized ViT's top-1 can hinge on float rounding, so "
                    f"no runtime can agree beyond it. On the {p['stable_images']} images where vizq's answer does not "
                    f"depend on it, ORT agrees on {p['agreement_stable']:.2f}%.")
+        why = first_difference(p["sites"])
+        if why:
+            st.info(why + ".")
         sites = pd.DataFrame(p["sites"])
         if not sites.empty:
             fig = px.line(sites, x="site", y="changed_pct", markers=True, log_y=bool((sites.changed_pct > 0).any()),

@@ -285,10 +285,11 @@ def print_parity(p: dict) -> None:
     print(f"noise floor: vizq itself, float64 vs float32 arithmetic, agrees on {p['noise_floor_agreement']:.2f}% "
           f"of images; on the {p['stable_images']} images where that does not change vizq's answer, "
           f"ORT agrees on {p['agreement_stable']:.2f}%")
-    first = next((r for r in p["sites"] if r["changed_pct"] > 0), None)
-    if first:
-        print(f"ORT and vizq first differ at {first['site']} ({first['changed_pct']:.4f}% of values one level "
-              "apart: float rounding differences, amplified by later sites)")
+    from .ptq.deploy import first_difference
+
+    why = first_difference(p["sites"])
+    if why:
+        print(why)
 
 
 def _onnx_check_args(p: argparse.ArgumentParser) -> None:

@@ -237,8 +237,21 @@ def site_divergence(dep: Deployment, x: torch.Tensor) -> list[dict[str, Any]]:
             shape[q.axis] = -1
             s = s.reshape(shape)
         d = (torch.from_numpy(ort_t) - ref).abs() / s
-        rows.append({"site": site, "max_steps": float(d.max()), "changed_pct": 100.0 * float((d > 0.5).double().mean())})
+        rows.append({"site": site, "max_steps": float(d.max()), "changed_pct": 100.0 * float((d > 0.5).double().mean()),
+                     "notes": "; ".join(q.notes)})
     return rows
+
+
+def first_difference(rows: list[dict[str, Any]]) -> str | None:
+    """One sentence on where ORT and vizq start to differ and why (for the CLI and the page)."""
+    row = next((r for r in rows if r["max_steps"] > 0.01), None)  # float noise alone stays ~1e-6 steps
+    if row is None:
+        return None
+    if row["notes"]:
+        return (f"ORT and vizq first differ at {row['site']} (up to {row['max_steps']:.2f} steps): {row['notes']}. "
+                "The difference then grows through later sites")
+    return (f"ORT and vizq first differ at {row['site']} ({row['changed_pct']:.4f}% of values one level apart): "
+            "float rounding differences between the two runtimes, amplified by later sites")
 
 
 def load(path: str | Path, loaded: Any) -> Deployment:

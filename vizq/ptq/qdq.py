@@ -75,8 +75,8 @@ def _group_params(q: Quantizer, scale: torch.Tensor, zp: torch.Tensor, signed: b
     zr = torch.round(z)
     if bool((zr != z).any()):  # RepQ-ViT's mean fold leaves a fractional zero point
         worst = float((zr - z).abs().max())
-        notes.append(f"zero point rounded to an integer (moved by up to {worst:.3f} steps; vizq's own model "
-                     "only shifts its clamp bounds by it)")
+        notes.append(f"zero point rounded to an integer (moved by up to {worst:.3f} steps): RepQ-ViT's mean fold "
+                     "leaves it fractional, so fake quantization clamps at off-grid values that no integer grid holds")
     scalar = s.numel() == 1
     return Qdq(scale=s.float().numpy().reshape(()) if scalar else s.float().numpy(),
                zero_point=zr.long().numpy().reshape(()) if scalar else zr.long().numpy(),
