@@ -114,3 +114,14 @@ def test_cli_onnx_export_on_a_text_model_is_refused_in_one_line(tmp_path, capsys
     assert main(["export", "--model", "minilm-l6", "--format", "onnx", "--out", str(tmp_path / "t")]) == 2
     err = capsys.readouterr().err
     assert "ONNX export covers image models" in err and not (tmp_path / "t").exists()
+
+
+def test_a_fractional_zero_point_is_rounded_and_named_as_the_first_difference(bundled):
+    """RepQ-ViT's mean fold leaves post-LN zero points fractional: the graph rounds them, says so
+    per site, and the check names that (not float noise) as where ORT and vizq part."""
+    from vizq.ptq.deploy import first_difference
+
+    dep = prepare(bundled, QuantConfig(method="repq", wbits=4, abits=4), choice=NonUniform.FLOAT, check_images=16)
+    rounded = [r["site"] for r in dep.forms if "zero point rounded" in r["notes"]]
+    assert rounded and all(r.endswith(("norm1", "norm2")) for r in rounded)
+    assert "zero point rounded" in first_difference(dep.parity["sites"])
