@@ -44,7 +44,7 @@ if hit.empty:
 
 fig = px.bar(hit, x="site", y="massive", color="kind", log_y=True,
              hover_data=["max_abs", "median_abs", "max_over_median", "channels", "tokens"],
-             labels={"massive": "massive values (count, log)", "site": "site (network order of the scan)"},
+             labels={"massive": "massive values (count, log)", "site": "site (most massive first)"},
              title=f"Massive values per site (|x| ≥ {ratio:g} × median)")
 chart(fig, hit, "massive-sites")
 

@@ -135,7 +135,10 @@ def current_capture(lm: Any, force: bool = False) -> Any:
 
 
 def chart(fig: Any, table: pd.DataFrame, name: str) -> None:
-    """A plotly chart with its data one click away (CSV download and a table)."""
+    """A plotly chart with its data one click away (CSV download and a table). Tick labels
+    use powers of ten (1e-6), never SI prefixes ("1μ" reads as micro-units, not a probability)."""
+    fig.update_xaxes(exponentformat="power")
+    fig.update_yaxes(exponentformat="power")
     st.plotly_chart(fig, width="stretch", key=f"chart-{name}")
     c1, c2 = st.columns([1, 4])
     c1.download_button("Data (CSV)", table.to_csv(index=False).encode(), file_name=f"{name}.csv",
