@@ -33,7 +33,11 @@ def evaluate_and_record(lm, cfg, data, n_eval, progress=None, cancel=None):
 
 
 def summary(rec):
-    parts = [f"top-1 {rec['q_top1']:.2f}% (FP {rec['fp_top1']:.2f}%)"] if rec.get("q_top1") is not None else []
+    parts = [f"calibrated on {rec['calib_images']}, evaluated on {rec['eval_images']} images"]
+    if rec.get("q_top1") is not None:
+        parts.append(f"top-1 {rec['q_top1']:.2f}% (FP {rec['fp_top1']:.2f}%)")
+    elif lm.info.modality == "image":
+        parts.append("no labels in these images, so no top-1: agreement with full precision and KL only")
     parts.append(f"agreement {rec['agreement']:.2f}%")
     if rec.get("kl") is not None:
         parts.append(f"KL {rec['kl']:.4f}")

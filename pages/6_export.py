@@ -34,7 +34,7 @@ c2.download_button("Configuration (YAML)", cfg.to_yaml(), file_name="vizq-config
 
 if st.button("Calibrate and build the export", type="primary"):
     with guard("Calibrating"), st.spinner("Calibrating…"):
-        cal = calibrate(lm, cfg, data)
+        cal = calibrate(lm, cfg, data, for_eval=False)
         qm = cal.qmodel
         if cal.skipped:
             st.warning(f"{len(cal.skipped)} calibration file(s) could not be read and were skipped: "

@@ -245,7 +245,8 @@ def cmd_export(a: argparse.Namespace) -> int:
     ctx = dist.context(a.device)  # under torchrun: rank 0 calibrates and writes, the others wait
     lm = load_from_args(a)
     cfg = config_from_args(a)
-    cal = calibrate_shared(lm, cfg, a.data, ctx, progress=ProgressBar("calibrate") if ctx.main else None)
+    cal = calibrate_shared(lm, cfg, a.data, ctx, progress=ProgressBar("calibrate") if ctx.main else None,
+                           for_eval=False)
     dist.finish(ctx)
     if not ctx.main:
         return 0

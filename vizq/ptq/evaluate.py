@@ -208,16 +208,19 @@ def retrieval_metrics(fp: torch.Tensor, q: torch.Tensor, k: int = 10) -> dict[st
 
 
 def calibration_batch(loaded: Any, config: QuantConfig, data: str | None = None,
-                      skipped: list[str] | None = None) -> tuple[Any, list[str]]:
+                      skipped: list[str] | None = None, for_eval: bool = True) -> tuple[Any, list[str]]:
     """The seeded calibration samples, and their ids (for the manifest): one tensor for
     images, a list of equal-length batches for text. Files that could not be read are
-    appended to ``skipped`` ("id: reason"); the ids are those really used."""
+    appended to ``skipped`` ("id: reason"); the ids are those really used. ``for_eval``: the
+    same pool must also supply evaluation images (see :func:`calib_count`); an export that
+    only calibrates takes the count asked."""
     cal = config.calibration
     images = resolve_images(loaded, data, "calib")
     if _has_own_split(loaded, data):
         idx = pick(len(images), cal.images, cal.seed)
     else:
-        idx, _ = split_indices(len(images), min(cal.images, len(images)), 0, cal.seed)
+        n = calib_count(len(images), cal.images) if for_eval else min(cal.images, len(images))
+        idx, _ = split_indices(len(images), n, 0, cal.seed)
     xs, ids = [], []
     for xb, _, bid in loaded.iterate(images, idx, cal.batch_size):
         xs.append(xb)
@@ -237,11 +240,19 @@ def eval_split(loaded: Any, config: QuantConfig, data: str | None, n_eval: int, 
     if _has_own_split(loaded, data):
         idx = pick(len(images), n_eval, seed)
     else:
-        _, idx = split_indices(len(images), min(config.calibration.images, len(images)), n_eval, config.calibration.seed)
+        _, idx = split_indices(len(images), calib_count(len(images), config.calibration.images), n_eval,
+                               config.calibration.seed)
     if not idx:
         raise DataError(f"no images are left for evaluation after the {config.calibration.images} calibration images; "
                          "use fewer calibration images or more data")
     return images, idx
+
+
+def calib_count(pool: int, asked: int) -> int:
+    """Calibration images taken from a pool that also supplies the evaluation images: as asked,
+    but never more than half the pool, so a small set (the 17 bundled photographs, a few
+    uploads) still leaves images to evaluate on; results report the counts really used."""
+    return min(asked, max(1, pool // 2))
 
 
 def _has_own_split(loaded: Any, data: str | None) -> bool:
@@ -262,12 +273,13 @@ class Calibration:
 
 
 def calibrate(loaded: Any, config: QuantConfig, data: str | None = None, device: str | torch.device = "cpu",
-              progress: Progress | None = None, cancel: Callable[[], bool] | None = None) -> Calibration:
+              progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
+              for_eval: bool = True) -> Calibration:
     """Calibrate ``config`` on the seeded calibration samples of ``data``; the one way every
     caller (CLI, pages, evaluation) builds a calibrated model, so all use the same data."""
     t0 = time.time()
     skipped: list[str] = []
-    calib, ids = calibration_batch(loaded, config, data, skipped)
+    calib, ids = calibration_batch(loaded, config, data, skipped, for_eval)
     qmodel = QuantizedModel(loaded, config)
     qmodel.calib_ids = ids
     loaded.model.to(device)
@@ -278,7 +290,8 @@ def calibrate(loaded: Any, config: QuantConfig, data: str | None = None, device:
 
 
 def calibrate_shared(loaded: Any, config: QuantConfig, data: str | None, ctx: Context,
-                     progress: Progress | None = None, cancel: Callable[[], bool] | None = None) -> Calibration:
+                     progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
+                     for_eval: bool = True) -> Calibration:
     """Under torchrun: rank 0 calibrates and sends the calibrated state to every rank.
 
     One calibration rather than one per rank: it is the single source of truth (GPU kernels
@@ -287,8 +300,8 @@ def calibrate_shared(loaded: Any, config: QuantConfig, data: str | None, ctx: Co
     from .export import restore, snapshot
 
     if not ctx.active:
-        return calibrate(loaded, config, data, ctx.device, progress, cancel)
-    cal = calibrate(loaded, config, data, ctx.device, progress, cancel) if ctx.main else None
+        return calibrate(loaded, config, data, ctx.device, progress, cancel, for_eval)
+    cal = calibrate(loaded, config, data, ctx.device, progress, cancel, for_eval) if ctx.main else None
     payload = broadcast_object(
         (snapshot(cal.qmodel, cal.image_ids), cal.image_ids, cal.skipped, cal.seconds) if cal else None, ctx)
     if cal is not None:
