@@ -1,10 +1,14 @@
 """Shared fixtures: the bundled model and small random-init timm models (loaded once)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# test.sh runs two pytest workers (pytest-xdist) on this 2-core class of machine: one torch
+# thread each keeps them from fighting over the cores; a single process uses both.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 SMALL = {
     "deit": ("random:deit_tiny_patch16_224", {"img_size": 64}),
