@@ -228,3 +228,18 @@ def test_block_reconstruction_lowers_block_error_and_exports(tmp_path, bundled):
     export(rec, tmp_path / "r")
     with torch.no_grad():
         assert torch.equal(load_export(tmp_path / "r", bundled)(x), rec(x))
+
+
+def test_fold_with_unquantized_consumer_weights_calibrates_and_reloads_bit_exactly(bundled, tmp_path):
+    """Sensitivity's "post-LN only" variant: the LN folds into Linears whose weights stay float."""
+    from vizq.ptq.config import QuantConfig
+    from vizq.ptq.evaluate import calibrate
+    from vizq.ptq.export import export, load_export
+
+    cfg = QuantConfig(method="repq", wbits=4, abits=4, overrides={"weight": {"enabled": False}})
+    qm = calibrate(bundled, cfg).qmodel
+    assert qm.folds and not qm.weights
+    back = load_export(export(qm, tmp_path / "exp"), bundled)
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(back(x), qm(x))

@@ -285,7 +285,8 @@ class QuantizedModel(nn.Module):
             norm = self.model.get_submodule(s.module)
             consumers = [self.model.get_submodule(c) for c in s.consumers]
             for c, lin in zip(s.consumers, consumers):
-                lin.weight.data.copy_(self.fp_weights[c])
+                if c in self.fp_weights:  # a quantized weight: fold into its float original
+                    lin.weight.data.copy_(self.fp_weights[c])
             fold = fold_factors(aq.q.state["scale"], aq.q.state["zero_point"], mode)
             if s.port == "consumers":  # post-LN: the LN output is also the residual; leave the LN alone
                 apply_fold(None, consumers, fold)
@@ -293,7 +294,8 @@ class QuantizedModel(nn.Module):
             else:
                 apply_fold(norm, consumers, fold)
             for c, lin in zip(s.consumers, consumers):
-                self.fp_weights[c] = lin.weight.detach().clone()
+                if c in self.fp_weights:  # an unquantized weight keeps the folded float values in place
+                    self.fp_weights[c] = lin.weight.detach().clone()
             self.folds[s.name] = fold
             layer = get_quantizer("uniform", aq.q.bits, method=aq.q.options["method"])
             layer.axis = None

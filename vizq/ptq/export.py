@@ -51,7 +51,8 @@ def _changed_params(qm: QuantizedModel) -> dict[str, torch.Tensor]:
             out[f"{s.module}.weight"] = norm.weight.detach().clone()
             out[f"{s.module}.bias"] = norm.bias.detach().clone()
         for c in s.consumers:
-            out[f"{c}.weight"] = qm.fp_weights[c].clone()
+            w = qm.fp_weights.get(c)  # unquantized consumers hold their folded weight in the model
+            out[f"{c}.weight"] = (w if w is not None else qm.model.get_submodule(c).weight.detach()).clone()
             out[f"{c}.bias"] = qm.model.get_submodule(c).bias.detach().clone()
     for path in qm.recon_modules:  # weights trained by block reconstruction
         out[f"{path}.weight"] = qm.fp_weights[path].clone()
