@@ -223,9 +223,9 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="replace --out even if it is a folder vizq did not write")
     p.add_argument("--format", choices=("vizq", "onnx"), default="vizq",
                    help="onnx: also write model.onnx (QDQ, opset 21) and check it in ONNX Runtime")
-    p.add_argument("--non-uniform", choices=("uniform", "float"), default="uniform",
-                   help="onnx: sites whose quantizer has no QDQ form become uniform at the same bits "
-                        "(recalibrated on the same data) or stay in float")
+    p.add_argument("--non-uniform", choices=("float", "uniform"), default="float",
+                   help="onnx: sites whose quantizer has no QDQ form stay in float (default) or become uniform at "
+                        "the same bits, recalibrated on the same data")
     p.add_argument("--check-images", type=nonnegative("--check-images"), default=200,
                    help="onnx: held-out images to run in ONNX Runtime next to vizq (0: no check)")
 

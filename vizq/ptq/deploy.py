@@ -101,7 +101,7 @@ class Deployment:
                              "zero_point": np.asarray(e.qdq.zero_point).tolist()} for e in self.graph.entries]}
 
 
-def prepare(loaded: Any, config: QuantConfig, data: str | None = None, choice: NonUniform = NonUniform.UNIFORM,
+def prepare(loaded: Any, config: QuantConfig, data: str | None = None, choice: NonUniform = NonUniform.FLOAT,
             check_images: int = 200, device: str | torch.device = "cpu", batch_size: int = 32,
             progress: Progress | None = None, cancel: Callable[[], bool] | None = None) -> Deployment:
     """Calibrate ``config``, derive and calibrate its deployable form, build the QDQ graph and
