@@ -16,6 +16,7 @@ into the quantizer's input transform, leaving the residual stream exact.
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -64,10 +65,10 @@ _TAPPED: type | None = None
 def _instrument_bert(model: nn.Module) -> int:
     """arch.INSTRUMENTERS hook: swap BertSelfAttention modules to the tapped class."""
     global _TAPPED
-    try:
-        from transformers.models.bert.modeling_bert import BertSelfAttention
-    except ImportError:  # transformers missing: no BERT models can exist either
-        return 0
+    bert = sys.modules.get("transformers.models.bert.modeling_bert")
+    if bert is None:  # never imported in this process: no BERT module can exist (and a ViT load
+        return 0      # need not pay the 2.5 s import of transformers)
+    BertSelfAttention = bert.BertSelfAttention
     n = 0
     for m in model.modules():
         if isinstance(m, TappedBertSelfAttention):
