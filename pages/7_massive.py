@@ -38,7 +38,7 @@ m3.metric("largest |x| / median", f"{hit.max_over_median.max():,.0f}×" if len(h
 st.caption(f"{len(idx)} images ({data_key()}), float model; the post-Softmax sites are left out (probabilities).")
 if hit.empty:
     st.info("No site of this model holds values this far from its median on these images. Real pretrained ViTs "
-            "do (the bundled ViT-Ti: post-GELU of blocks 7–10); the digits model does not.")
+            "do (the bundled ViT-Ti: the input of blocks.7.mlp.fc2 and the residual stream after block 7); the digits model does not.")
     chart_table(rows, "massive-sites")
     st.stop()
 
