@@ -74,17 +74,25 @@ for col, what, data in ((loc1, "channel", entry.channels), (loc2, "token", entry
             f = px.bar(t.astype({what: str}), x=what, y="massive values",
                        labels={what: f"{what} index", "massive values": "massive values (count)"},
                        title=f"{name}: by {what} (top 20)")
+            f.update_xaxes(type="category")  # indices are names here, not quantities
             chart(f, t, f"massive-{what}")
-long = study.melt(id_vars=["range"], value_vars=[c for c in ("mse", "output_mse") if c in study],
-                  var_name="error", value_name="value")
-long["error"] = long["error"].map({"mse": "the tensor's own MSE", "output_mse": "MSE of the next Linear's output"})
+SCORES = {"mse": "the tensor's own MSE", "output_mse": "MSE of the next Linear's output",
+          "output_rel_per_token": "next Linear's error per token, relative (repq+'s score)"}
+long = study.melt(id_vars=["range"], value_vars=[c for c in SCORES if c in study], var_name="error", value_name="value")
+long["error"] = long["error"].map(SCORES)
 f = px.bar(long, x="range", y="value", color="error", barmode="group", log_y=True,
-           labels={"value": "mean squared error (log)", "range": f"uniform {bits}-bit range"},
+           labels={"value": "error (log; two MSEs and one relative error)", "range": f"uniform {bits}-bit range"},
            title=f"{name} at {bits} bits: own error vs the error of what it feeds")
 chart(f, study, "massive-range-study")
-best_own = study.loc[study.mse.idxmin(), "range"]
-best_out = study.loc[study.output_mse.idxmin(), "range"] if "output_mse" in study else best_own
-st.markdown(f"Lowest own MSE: **{best_own}**; lowest error of the next Linear's output: **{best_out}**. "
-            + ("They disagree: a search scored on the tensor's own MSE picks a range that costs the layer it feeds. "
-               "vizq's `repq+` preset scores post-GELU ranges on the next layer's per-token output error."
-               if best_own != best_out else "Here both scores pick the same range."))
+picks = {label: study.loc[study[col].idxmin(), "range"] for col, label in SCORES.items() if col in study}
+st.markdown("Lowest error by each score: " + "; ".join(f"{label}: **{r}**" for label, r in picks.items()) + ".")
+if len(set(picks.values())) > 1:
+    def what(col: str) -> str:
+        r = study.loc[study[col].idxmin()]
+        return (f"**{r['range']}** clips {int(r['massive_clipped'])} massive values and rounds "
+                f"{r['ordinary_to_zero_pct']:.0f} % of the ordinary values to zero")
+
+    last = "output_rel_per_token" if "output_rel_per_token" in study else "output_mse"
+    st.markdown(f"The scores disagree. By the tensor's own MSE, {what('mse')}; by {SCORES[last]}, {what(last)}. "
+                "`repq` (RepQ-ViT's code) scores its range candidates by the tensor's own MSE; `repq+` scores "
+                "post-GELU ranges per token on the next layer's output.")
