@@ -32,16 +32,19 @@ class ProgressBar:
         self.label = label
         self.t0 = time.time()
         self.last = 0.0
+        self.total = None
 
     def __call__(self, done: int, total: int, message: str = "") -> None:
         now = time.time()
+        if total != self.total:  # a new phase (e.g. calibration steps, then images): its own clock
+            self.t0, self.total = now, total
         if done < total and now - self.last < 0.2:
             return
         self.last = now
         frac = done / max(total, 1)
-        eta = (now - self.t0) / max(done, 1) * (total - done)
+        eta = f"{(now - self.t0) / done * (total - done):5.0f}s" if done else "    ?"
         bar = "#" * int(30 * frac)
-        sys.stderr.write(f"\r{self.label} [{bar:<30}] {done}/{total} ETA {eta:5.0f}s {message[:60]:<60}")
+        sys.stderr.write(f"\r{self.label} [{bar:<30}] {done}/{total} ETA {eta} {message[:60]:<60}")
         if done >= total:
             sys.stderr.write("\n")
         sys.stderr.flush()

@@ -160,7 +160,8 @@ def check(loaded: Any, dep: Deployment, images: Any, idx: list[int], batch_size:
     counts = {"agree": 0, "agree_research": 0, "stable": 0, "agree_stable": 0}
     hits = {"fp": 0, "research": 0, "vizq": 0, "ort": 0, "vizq_f64": 0}
     max_diff, first = 0.0, None
-    t0 = time.time()
+    if progress:
+        progress(0, len(idx), "checking in ONNX Runtime")
     for xb, yb, _ in loaded.iterate(images, idx, batch_size):
         if cancel and cancel():
             raise Cancelled("check cancelled; nothing was written")
