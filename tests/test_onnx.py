@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
-import torch
 
 from vizq.cli import main
 from vizq.errors import Cancelled

@@ -259,7 +259,7 @@ def load(path: str | Path, loaded: Any) -> Deployment:
     its graph read and checked), so it can be checked again; a damaged folder is one clear error."""
     import onnx
 
-    from .export import _read_json, load_export
+    from .export import load_export, read_json
 
     path = Path(path)
     qm = load_export(path, loaded)
@@ -271,7 +271,7 @@ def load(path: str | Path, loaded: Any) -> Deployment:
         onnx.checker.check_model(onnx.load_from_string(data), full_check=True)
     except Exception as e:  # noqa: BLE001 - any parser/checker failure means a damaged file
         raise ConfigError(f"{path.name}/model.onnx is damaged ({type(e).__name__}: {str(e)[:120]}); export again") from None
-    report = _read_json(report_file)
+    report = read_json(report_file)
     if not isinstance(report, dict) or report.get("format") != "onnx-qdq":
         raise ConfigError(f"{path.name}/deploy.json is not a vizq ONNX report; export again")
     entries = [Entry(e["site"], _qdq_from(e), e["weight"]) for e in report.get("entries", [])]

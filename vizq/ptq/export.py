@@ -175,14 +175,14 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     p = Path(path) / "manifest.json"
     if not p.is_file():
         raise ConfigError(f"{path} is not a vizq export (no manifest.json); export one with `python -m vizq export`")
-    m = _read_json(p)
+    m = read_json(p)
     if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("version"), int) \
             or m["version"] > FORMAT_VERSION:
         raise ConfigError(f"{path}: not a vizq export this version can read (format {m.get('format') if isinstance(m, dict) else '?'})")
     return m
 
 
-def _read_json(p: Path) -> Any:
+def read_json(p: Path) -> Any:
     try:
         return json.loads(p.read_text())
     except (OSError, ValueError) as e:
@@ -195,7 +195,7 @@ def load_export(path: str | Path, loaded: Any) -> QuantizedModel:
     path = Path(path)
     man = read_manifest(path)
     config = QuantConfig.load(path / "config.json")
-    info = _read_json(path / "quant_params.json")
+    info = read_json(path / "quant_params.json")
     if not isinstance(info, dict) or not isinstance(info.get("sites"), list):
         raise ConfigError(f"{path.name}/quant_params.json has no site list; export again")
     try:
