@@ -4,7 +4,7 @@ import streamlit as st
 
 from vizq.capture import summary_rows
 from vizq.models import BUNDLED, REAL_DEFAULT, SUPPORTED_ARCHS
-from vizq.text import MINILM
+from vizq.families.bert import MINILM
 from vizq.sites import KIND_HELP, count_by_kind
 from vizq.ui.state import chart_table, current_capture, current_model, guard, save_upload
 

@@ -3,37 +3,38 @@ import pandas as pd
 import streamlit as st
 
 from vizq import plots
-from vizq.ptq.evaluate import run_eval, sensitivity
+from vizq.ptq import service
 from vizq.runs import append_run, clear_history, load_history
 from vizq.ui import jobs
 from vizq.ui.presets import config_form
-from vizq.ui.state import chart, chart_table, current_model, guard
+from vizq.ui.state import chart, chart_table, current_data, current_model, guard, kept
 
 st.title("Evaluate")
 lm = current_model()
 s = st.session_state
-data = s.data_path if s.data_mode == "folder" else None
+data = current_data()
+unit = "sentences" if lm.info.modality == "text" else "images"
+st.markdown(f"**Data:** {data.label(lm)} — calibration and evaluation both come from it, disjoint.")
 if lm.info.modality == "text":
     st.info("Sentence encoder: evaluation compares quantized with full-precision embeddings (mean cosine) and "
             "nearest-neighbour retrieval among the evaluated sentences (top-1 agreement, recall@10).")
-elif s.data_mode == "upload":
-    st.warning("Uploaded images are not used for evaluation yet: runs on this page calibrate and evaluate on the "
-               "model's bundled data. Choose a folder in the sidebar to evaluate your own images.")
 
 with guard("Checking the configuration"):
-    cfg = config_form("eval")
-n_eval = st.number_input("Evaluation images (disjoint from calibration)", 10, 50000, 500, step=50)
+    cfg = config_form()
+n_eval = kept(st.number_input, f"Evaluation {unit} (disjoint from calibration)", "eval-n", 500, min_value=1,
+              max_value=50000, step=50)
 
 
-def evaluate_and_record(lm, cfg, data, n_eval, progress=None, cancel=None):
-    res, _ = run_eval(lm, cfg, data, n_eval, progress=progress, cancel=cancel)
+def evaluate_and_record(lm, cfg, data, n_eval, run):
+    res = service.evaluate(lm, cfg, data, n_eval, run)
     rec = res.to_dict()
     rec.pop("site_sqnr_db")
     return append_run(rec), res
 
 
 def summary(rec):
-    parts = [f"calibrated on {rec['calib_images']}, evaluated on {rec['eval_images']} images"]
+    parts = [f"calibrated on {rec['calib_images']} {unit}, evaluated on {rec['eval_images']} {unit} "
+             f"({data.label(lm)})"]
     if rec.get("q_top1") is not None:
         parts.append(f"top-1 {rec['q_top1']:.2f}% (FP {rec['fp_top1']:.2f}%)")
     elif lm.info.modality == "image":
@@ -42,20 +43,20 @@ def summary(rec):
     if rec.get("kl") is not None:
         parts.append(f"KL {rec['kl']:.4f}")
     parts += [f"{k} {v:.3f}" for k, v in rec.get("metrics", {}).items()]
+    if rec.get("skipped_images"):
+        parts.append(f"{rec['skipped_images']} unreadable file(s) skipped")
     return ", ".join(parts)
 
 
 def on_done(out):
     rec, res = out
-    s.last_config = cfg
     s.eval_message = f"{rec['method']} W{rec['wbits']}A{rec['abits']}: " + summary(rec)
     s.last_sqnr = res.site_sqnr_db
 
 
 c1, c2 = st.columns(2)
 if c1.button("Run evaluation", type="primary"):
-    s.last_config = cfg
-    jobs.start("eval-job", evaluate_and_record, lm, cfg, data, int(n_eval))
+    jobs.start("eval-job", evaluate_and_record, lm, cfg, data, int(n_eval), clears=("eval_message", "last_sqnr"))
 jobs.show("eval-job", on_done)
 if s.get("eval_message"):
     st.success(s.eval_message)
@@ -64,8 +65,11 @@ if s.get("last_sqnr"):
     with st.expander("Per-site output SQNR of the last run (dB)"):
         chart_table(pd.DataFrame(sorted(s.last_sqnr.items(), key=lambda kv: kv[1]), columns=["site", "sqnr_db"]), "site-sqnr")
 
-hist = [r for r in load_history() if r.get("model") == lm.info.model_id]
-st.subheader(f"History for {lm.info.model_id} ({len(hist)} runs, kept on disk)")
+key = data.key()
+hist = [r for r in load_history() if r.get("model") == lm.info.model_id
+        and (r.get("data") or {}).get("key", "not recorded") == key]
+st.subheader(f"History for {lm.info.model_id} on this data ({len(hist)} runs, kept on disk)")
+st.caption("Only runs on the data shown above; runs on other data are kept but never drawn on the same line.")
 if hist:
     metric = st.radio("Metric", ["q_top1", "agreement", "kl"], horizontal=True)
     chart(*plots.accuracy_vs_bits(hist, metric), "history-chart")
@@ -80,10 +84,12 @@ if hist:
 
 st.subheader("Sensitivity")
 c1, c2, c3 = st.columns(3)
-by = c1.radio("Quantize", ["kind", "block"], horizontal=True, format_func={"kind": "one site kind", "block": "one block"}.get)
-mode = c2.radio("Mode", ["only", "all_but"], horizontal=True, format_func={"only": "only it", "all_but": "all but it"}.get)
+by = c1.radio("Quantize", list(service.By), horizontal=True,
+              format_func={service.By.KIND: "one site kind", service.By.BLOCK: "one block"}.get)
+mode = c2.radio("Mode", list(service.Mode), horizontal=True,
+                format_func={service.Mode.ONLY: "only it", service.Mode.ALL_BUT: "all but it"}.get)
 if c3.button("Rank sensitivity"):
-    jobs.start("sens-job", sensitivity, lm, cfg, data, 200, by, mode)
+    jobs.start("sens-job", service.sensitivity, lm, cfg, data, 200, by, mode, clears=("sens_rows",))
 jobs.show("sens-job", lambda rows: s.update(sens_rows=rows))
 if s.get("sens_rows"):
     chart_table(pd.DataFrame(s.sens_rows), "sensitivity")

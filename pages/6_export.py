@@ -1,76 +1,60 @@
-"""Export: the calibrated configuration and parameters; import a configuration to re-evaluate."""
-import io
+"""Export: the calibrated configuration and parameters; reload an export or a configuration."""
 import tempfile
-import zipfile
 from pathlib import Path
 
 import pandas as pd
 import plotly.express as px
 import streamlit as st
 
+from vizq.ptq import service
 from vizq.ptq.config import QuantConfig
-from vizq.ptq.deploy import NonUniform, archive, first_difference, prepare
-from vizq.ptq.evaluate import calibrate, run_eval
-from vizq.ptq.export import export
+from vizq.ptq.deploy import NonUniform, archive, first_difference
 from vizq.ui import jobs
 from vizq.ui.presets import config_form
-from vizq.ui.state import chart, current_model, guard
+from vizq.ui.state import chart, current_data, current_model, guard, kept
 
 st.title("Export")
 lm = current_model()
 s = st.session_state
-data = s.data_path if s.data_mode == "folder" else None
-
-if s.data_mode == "upload":
-    st.warning("Uploaded images are not used for calibration yet: exports calibrate on the model's bundled data. "
-               "Choose a folder in the sidebar to calibrate on your own images.")
-st.caption("Starts from the configuration of your last evaluation; change it here if you like.")
+data = current_data()
+st.markdown(f"**Calibration data:** {data.label(lm)}. The configuration below is the one on *Evaluate* "
+            "(one form, shared by both pages).")
 with guard("Checking the configuration"):
-    cfg = config_form("export")
+    cfg = config_form()
 
 c1, c2 = st.columns(2)
 c1.download_button("Configuration (JSON)", cfg.to_json(), file_name="vizq-config.json", mime="application/json", on_click="ignore")
 c2.download_button("Configuration (YAML)", cfg.to_yaml(), file_name="vizq-config.yaml", mime="text/yaml", on_click="ignore")
 
 if st.button("Calibrate and build the export", type="primary"):
-    with guard("Calibrating"), st.spinner("Calibrating…"):
-        cal = calibrate(lm, cfg, data, for_eval=False)
-        qm = cal.qmodel
-        if cal.skipped:
-            st.warning(f"{len(cal.skipped)} calibration file(s) could not be read and were skipped: "
-                       + "; ".join(cal.skipped[:5]))
-        with tempfile.TemporaryDirectory() as tmp:
-            out = export(qm, Path(tmp) / "vizq-export", cal.image_ids, skipped=cal.skipped)
-            buf = io.BytesIO()
-            with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-                for f in sorted(out.iterdir()):
-                    z.write(f, f"vizq-export/{f.name}")
-            s.export_zip = buf.getvalue()
-            s.export_aimet = (out / "aimet_encodings.json").read_bytes()
-            s.export_params = (out / "quant_params.json").read_bytes()
-        qm.remove_hooks()
-if s.get("export_zip"):
+    jobs.start("export-job", service.export_zip, lm, cfg, data, clears=("export_archive",))
+jobs.show("export-job", lambda arc: s.update(export_archive=arc))
+if s.get("export_archive"):
+    arc = s.export_archive
+    st.success(f"Calibrated on {arc.calib_images} {'sentences' if lm.info.modality == 'text' else 'images'} "
+               f"of {data.label(lm)}. The zip reloads as it is (below, or `python -m vizq evaluate --from-export ZIP`).")
+    if arc.skipped:
+        st.warning(f"{len(arc.skipped)} calibration file(s) could not be read and were skipped: " + "; ".join(arc.skipped[:5]))
     c1, c2, c3 = st.columns(3)
-    c1.download_button("Everything (zip: config, parameters, manifest)", s.export_zip, file_name="vizq-export.zip",
+    c1.download_button("Everything (zip: config, parameters, manifest)", arc.zip, file_name="vizq-export.zip",
                        mime="application/zip", on_click="ignore")
-    c2.download_button("Calibrated parameters (JSON summary)", s.export_params, file_name="quant_params.json",
+    c2.download_button("Calibrated parameters (JSON summary)", arc.params_json, file_name="quant_params.json",
                        mime="application/json", on_click="ignore")
-    c3.download_button("AIMET encodings", s.export_aimet, file_name="aimet_encodings.json", mime="application/json",
+    c3.download_button("AIMET encodings", arc.aimet_json, file_name="aimet_encodings.json", mime="application/json",
                        on_click="ignore")
 
 st.subheader("Deployable: ONNX QDQ, checked in ONNX Runtime")
 st.caption("Writes a standard ONNX graph (QuantizeLinear/DequantizeLinear, opset 21) of this configuration and "
            "runs it in ONNX Runtime (CPU) next to vizq's own fake-quantized model on held-out images.")
 o1, o2 = st.columns(2)
-choice = o1.radio("Sites whose quantizer has no QDQ form (log√2, AdaLog, twin, MX …)",
-                  [c.value for c in NonUniform], key="onnx-choice", horizontal=True,
+choice = kept(o1.radio, "Sites whose quantizer has no QDQ form (log√2, AdaLog, twin, MX …)",
+                  "onnx-choice", NonUniform.FLOAT.value, options=[c.value for c in NonUniform], horizontal=True,
                   format_func=lambda v: {"uniform": "replace by uniform (same bits, recalibrated)",
                                          "float": "keep in float"}[v])
-n_check = o2.number_input("Images to check", 0, 50000, 200, step=50, key="onnx-n",
-                          help="0: build the graph without running it")
+n_check = kept(o2.number_input, "Images to check", "onnx-n", 200, min_value=0, max_value=50000, step=50,
+               help="0: build the graph without running it")
 if st.button("Build model.onnx and check it"):
-    s.pop("onnx_result", None)
-    jobs.start("onnx-job", lambda **kw: prepare(lm, cfg, data, NonUniform(choice), int(n_check), **kw))
+    jobs.start("onnx-job", service.deploy, lm, cfg, data, NonUniform(choice), int(n_check), clears=("onnx_result",))
 jobs.show("onnx-job", lambda dep: s.update(onnx_result={"report": dep.report(), "zip": archive(dep),
                                                         "onnx": dep.graph.model}))
 if s.get("onnx_result"):
@@ -117,18 +101,37 @@ if s.get("onnx_result"):
     d2.download_button("Everything (zip: model.onnx, deploy.json, vizq export)", s.onnx_result["zip"],
                        file_name="vizq-onnx-export.zip", mime="application/zip", on_click="ignore")
 
-st.subheader("Import a configuration and re-evaluate it")
-up = st.file_uploader("QuantConfig (.json / .yaml)", type=["json", "yaml", "yml"])
-n_eval = st.number_input("Evaluation images", 10, 50000, 500, step=50, key="import-n")
+st.subheader("Reload an export, or import a configuration, and evaluate it")
+st.caption(f"An export zip (or folder's files zipped) is reloaded bit-exactly, without recalibrating; a configuration "
+           f"(.json/.yaml) is calibrated afresh. Either is evaluated on {data.label(lm)}.")
+up = st.file_uploader("vizq export (.zip) or QuantConfig (.json / .yaml)", type=["zip", "json", "yaml", "yml"])
+n_eval = kept(st.number_input, "Evaluation images", "import-n", 500, min_value=1, max_value=50000, step=50)
+
+
+def evaluate_export(lm, blob, data, n_eval, run):
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "export.zip"
+        p.write_bytes(blob)
+        with service.reload(lm, p) as qm:
+            return service.evaluate(lm, qm.config, data, n_eval, run, qmodel=qm)
+
+
 if up is not None:
-    with guard(f"Reading {up.name}"):
-        imported = QuantConfig.from_text(up.getvalue().decode("utf-8", errors="replace"))
-    st.code(imported.to_yaml(), language="yaml")
-    if st.button("Evaluate this configuration"):
-        jobs.start("import-job", lambda **kw: run_eval(lm, imported, data, int(n_eval), **kw)[0])
+    if up.name.lower().endswith(".zip"):
+        if st.button("Reload this export and evaluate it"):
+            jobs.start("import-job", evaluate_export, lm, up.getvalue(), data, int(n_eval), clears=("import_result",))
+    else:
+        with guard(f"Reading {up.name}"):
+            imported = QuantConfig.from_text(up.getvalue().decode("utf-8", errors="replace"))
+        st.code(imported.to_yaml(), language="yaml")
+        if st.button("Calibrate and evaluate this configuration"):
+            jobs.start("import-job", service.evaluate, lm, imported, data, int(n_eval), clears=("import_result",))
 jobs.show("import-job", lambda res: s.update(import_result=res.to_dict()))
 if s.get("import_result"):
     r = s.import_result
     extra = ", ".join(f"{k} {v:.3f}" for k, v in r.get("metrics", {}).items())
-    st.success(f"{r['method']} W{r['wbits']}A{r['abits']}: top-1 {r['q_top1']}, agreement {r['agreement']:.2f}%"
-               + (f", KL {r['kl']:.4f}" if r.get("kl") is not None else "") + (f", {extra}" if extra else ""))
+    top1 = f"top-1 {r['q_top1']:.2f}%" if r.get("q_top1") is not None else "no labels (agreement only)"
+    origin = "reloaded export" if not r["calib_images"] else f"calibrated on {r['calib_images']}"
+    st.success(f"{r['method']} W{r['wbits']}A{r['abits']} ({origin}), evaluated on {r['eval_images']}: {top1}, "
+               f"agreement {r['agreement']:.2f}%" + (f", KL {r['kl']:.4f}" if r.get("kl") is not None else "")
+               + (f", {extra}" if extra else ""))

@@ -36,7 +36,7 @@ def test_flat_folder_with_bad_files_counts_and_names_them(tmp_path, bundled):
 
 
 def test_imagenet_layout_maps_synsets_to_class_indices(tmp_path):
-    from vizq.models import imagenet_synsets
+    from vizq.families.timm_vit import imagenet_synsets
 
     syn = imagenet_synsets()
     for s in (syn[0], syn[207], syn[999]):

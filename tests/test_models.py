@@ -23,7 +23,7 @@ def test_bundled_model_loads_in_eval_mode_with_metadata(bundled):
 
 
 def test_bundled_model_is_accurate_on_heldout_digits(bundled):
-    from vizq.bundled import card
+    from vizq.families.digits import card
     from vizq.data import iterate_batches, resolve_images
 
     images = resolve_images(bundled, None, "eval")

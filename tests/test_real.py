@@ -46,7 +46,8 @@ def _tensor(vit, photos, site_name: str, n: int = 8) -> torch.Tensor:
 
 
 def test_the_timm_name_loads_the_bundled_weights_offline_with_the_tags_preprocessing(vit):
-    from vizq.models import ASSETS, load_model
+    from vizq.families.timm_vit import ASSETS
+    from vizq.models import load_model
 
     assert vit.info.weights_source.startswith("bundled") and vit.info.num_blocks == 12
     cfg = vit.info.data_config  # timm's pretrained_cfg for the augreg tag, not ImageNet's mean/std
@@ -59,12 +60,13 @@ def test_the_timm_name_loads_the_bundled_weights_offline_with_the_tags_preproces
 
 def test_a_damaged_bundled_file_is_refused_not_used(tmp_path, monkeypatch):
     from vizq import models
+    from vizq.families import timm_vit
 
-    name, _ = models.BUNDLED_TIMM[models.REAL_DEFAULT]
-    data = bytearray((models.ASSETS / name).read_bytes())
+    name, _ = timm_vit.BUNDLED_TIMM[models.REAL_DEFAULT]
+    data = bytearray((timm_vit.ASSETS / name).read_bytes())
     data[len(data) // 2] ^= 0xFF
     (tmp_path / name).write_bytes(bytes(data))
-    monkeypatch.setattr(models, "ASSETS", tmp_path)
+    monkeypatch.setattr(timm_vit, "ASSETS", tmp_path)
     with pytest.raises(models.ModelLoadError, match="damaged"):
         models.load_model(models.REAL_DEFAULT)
 

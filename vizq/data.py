@@ -256,33 +256,16 @@ def warn_skipped(images: ImageSet) -> str | None:
 
 
 # ---------------------------------------------------------------- one entry point
-#: model id -> (part -> ImageSet) for models that bring their own bundled images.
-BUNDLED_SETS: dict[str, Callable[[str], ImageSet]] = {}
-
-
 def resolve_images(loaded: Any, data: str | None = None, part: str = "eval") -> ImageSet:
-    """The images to use for ``loaded`` (a LoadedModel): a folder path, or the bundled set.
+    """The samples to use for ``loaded`` (a LoadedModel): the user's folder or file, read by the
+    model's family, or the family's own samples.
 
-    ``part`` is 'calib' or 'eval': bundled sets with a training split calibrate on it and
-    evaluate on the held-out split, so the two never overlap. For folders the caller splits
-    indices with :func:`split_indices`.
+    ``part`` is 'calib' or 'eval': families whose samples have a training split (the digits)
+    calibrate on it and evaluate on the held-out split, so the two never overlap. For a user's
+    data the caller splits indices with :func:`split_indices`.
     """
     if part not in ("calib", "eval"):
         raise DataError(f"part must be 'calib' or 'eval', got {part!r}")
-    if getattr(loaded.info, "modality", "image") == "text":
-        from .text import resolve_texts
-
-        return resolve_texts(data)
     if data and data != "bundled":
-        synsets = None
-        if len(loaded.class_names) == 1000:
-            from .models import imagenet_synsets
-
-            synsets = imagenet_synsets()
-        return folder_images(data, loaded.class_names, synsets)
-    from . import bundled  # noqa: F401 - registers the digits set
-
-    maker = BUNDLED_SETS.get(loaded.info.model_id)
-    if maker is not None:
-        return maker(part)
-    return skimage_photos()
+        return loaded.family.open(loaded, data)
+    return loaded.family.samples(part)

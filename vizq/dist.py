@@ -50,7 +50,7 @@ def context(device: str = "auto") -> Context:
     ``device='auto'``: CUDA device ``LOCAL_RANK`` when CUDA is there, else CPU. An explicit
     ``cuda`` becomes ``cuda:LOCAL_RANK``, so each rank drives its own GPU.
     """
-    from .cli import resolve_device
+    from .device import resolve_device
 
     dev = resolve_device(device)
     if not launched():

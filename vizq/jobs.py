@@ -1,7 +1,8 @@
 """Background jobs with progress and cancellation, for the dashboard (no Streamlit here).
 
-``Job(fn, ...)`` runs ``fn(..., progress=cb, cancel=flag)`` in a thread. The UI polls
-``job.progress`` and calls ``job.cancel()``; library code raises ``Cancelled`` when asked.
+``Job(fn, ...)`` runs ``fn(..., run=Run(on_step=…, cancel=…))`` in a thread: the service call
+reports :class:`~vizq.progress.Step` lines (the latest is ``job.step``) and stops at the next
+site or batch once ``job.cancel()`` is called (it raises ``Cancelled``).
 """
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ import threading
 import time
 from typing import Any, Callable
 
-from .capture import Cancelled
+from .errors import Cancelled
+from .progress import Run, Step
 
 
 class Job:
     def __init__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         self.fn, self.args, self.kwargs = fn, args, kwargs
-        self.done_count, self.total, self.message = 0, 0, "starting"
+        self.step: Step | None = None
         self.result: Any = None
         self.error: BaseException | None = None
         self.status = "pending"  # pending, running, done, failed, cancelled
@@ -36,21 +38,20 @@ class Job:
     def finished(self) -> bool:
         return self.status in ("done", "failed", "cancelled")
 
-    @property
-    def eta(self) -> float | None:
-        if not self.done_count or not self.total:
-            return None
-        return (time.time() - self.started) / self.done_count * (self.total - self.done_count)
+    def line(self) -> str:
+        """The one progress line to show now."""
+        return self.step.line() if self.step is not None else "starting…"
 
     def wait(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
-    def _progress(self, done: int, total: int, message: str = "") -> None:
-        self.done_count, self.total, self.message = done, total, message
+    def _on_step(self, step: Step) -> None:
+        self.step = step
 
     def _run(self) -> None:
         try:
-            self.result = self.fn(*self.args, progress=self._progress, cancel=self._cancel.is_set, **self.kwargs)
+            run = Run(on_step=self._on_step, cancel=self._cancel.is_set)
+            self.result = self.fn(*self.args, run=run, **self.kwargs)
             self.status = "done"
         except Cancelled:
             self.status = "cancelled"

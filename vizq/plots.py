@@ -205,18 +205,25 @@ def error_scatter(x: torch.Tensor, xq: dict[str, torch.Tensor], max_points: int 
 
 # ---------------------------------------------------------------- evaluation history
 def accuracy_vs_bits(history: list[dict[str, Any]], metric: str = "q_top1") -> tuple[Figure, pd.DataFrame]:
-    """One line per method: the chosen metric against activation bits (W bits in the hover)."""
+    """One line per (preset, W bits, data): the metric against activation bits. A line joins
+    only runs that share weight bits and data, so no line mixes W4 with W8 or two datasets."""
     df = pd.DataFrame(history)
     if df.empty:
         return _layout(go.Figure(), "no runs yet", "activation bits", metric), df
     if metric not in df or df[metric].isna().all():
         metric = "agreement"
+    df["data_key"] = [d.get("key", "not recorded") if isinstance(d, dict) else "not recorded" for d in df.get("data", [None] * len(df))]
+    several = df.data_key.nunique() > 1
     fig = go.Figure()
-    for i, (method, g) in enumerate(df.groupby("method")):
+    for i, ((method, w, key), g) in enumerate(df.groupby(["method", "wbits", "data_key"])):
         g = g.sort_values("abits")
-        fig.add_scatter(x=g.abits, y=g[metric], mode="lines+markers", name=method, marker_color=PALETTE[i % len(PALETTE)],
-                        customdata=g.wbits, hovertemplate="W%{customdata}A%{x}: %{y:.2f}<extra>" + method + "</extra>")
+        name = f"{method} W{w}" + (f" · {key}" if several else "")
+        fig.add_scatter(x=g.abits, y=g[metric], mode="lines+markers", name=name, marker_color=PALETTE[i % len(PALETTE)],
+                        text=[f"W{w}A{a}" for a in g.abits],
+                        hovertemplate="%{text}: %{y:.2f}<extra>" + name + "</extra>")
     if "fp_top1" in df and metric == "q_top1" and df.fp_top1.notna().any():
         fig.add_hline(y=float(df.fp_top1.dropna().iloc[-1]), line_dash="dash", annotation_text="full precision")
     label = {"q_top1": "top-1 accuracy (%)", "agreement": "agreement with FP top-1 (%)", "kl": "KL(FP‖Q) (nats)"}.get(metric, metric)
-    return _layout(fig, f"{label} against activation bits", "activation bits", label), df
+    fig.update_xaxes(dtick=1)
+    return _layout(fig, f"{label} against activation bits (one line per preset and weight bits)",
+                   "activation bits (A)", label), df

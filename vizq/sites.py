@@ -118,17 +118,19 @@ def _merging_rule(path: str, m: nn.Module) -> list[Site]:
     return [Site(_join(path, "norm"), "post_ln", _join(path, "norm"), consumers=(_join(path, "reduction"),))]
 
 
-#: Structural rules; other model families append theirs (see vizq.text).
+#: Structural rules of timm ViT/DeiT/Swin; other families pass their own (see vizq.family).
 RULES: list[Rule] = [_attention_rule, _block_rule, _mlp_rule, _merging_rule]
 
 
-def discover_sites(model: nn.Module) -> list[Site]:
-    """Every site of ``model`` (instrumented first), in network order."""
+def discover_sites(model: nn.Module, extra: Iterable[Rule] = ()) -> list[Site]:
+    """Every site of ``model`` (instrumented first), in network order. ``extra``: a model
+    family's own rules, applied after the ViT/Swin ones."""
+    rules = [*RULES, *extra]
     modules = list(model.named_modules())
     order = {name: i for i, (name, _) in enumerate(modules)}
     found: list[tuple[float, Site]] = []
     for path, m in modules:
-        for rule in RULES:
+        for rule in rules:
             for i, s in enumerate(rule(path, m)):
                 # taps are registered after the attention's own children: keep the rule's order
                 key = order[path] + (i + 1) / 100 if rule is _attention_rule else order.get(s.module, order[path])

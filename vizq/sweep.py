@@ -98,7 +98,8 @@ def _done(path: Path) -> dict[str, Any] | None:
 def run_sweep(loaded: Any, jobs: list[Job], out: str | Path, data: str | None, n_eval: int, ctx: dist.Context,
               log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Run this rank's jobs (skipping finished ones), then, on rank 0, merge all results."""
-    from .ptq.evaluate import run_eval
+    from .progress import Run
+    from .ptq import service
 
     out = Path(out)
     claim_folder(out)
@@ -111,8 +112,8 @@ def run_sweep(loaded: Any, jobs: list[Job], out: str | Path, data: str | None, n
             if log:
                 log(f"[{i + 1}/{len(jobs)}] {job.id}: already done, skipped")
             continue
-        res, qm = run_eval(loaded, job.config, data, n_eval, ctx.device, job.config.calibration.batch_size)
-        qm.remove_hooks()
+        res = service.evaluate(loaded, job.config, data, n_eval, Run(ctx.device),
+                               batch_size=job.config.calibration.batch_size)
         rec = {**res.to_dict(), "job": job.id, "overrides": list(job.rules), "status": "done", "rank": ctx.rank}
         atomic.write_json(path, rec)
         hist = {k: v for k, v in rec.items() if k != "site_sqnr_db"}

@@ -65,7 +65,7 @@ class QuantConfig:
         self.validate()
 
     def validate(self) -> None:
-        from .presets import PRESETS
+        from .catalog import PRESETS
 
         if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 1:
             raise ConfigError(f"version must be a positive integer, got {self.version!r}")

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..capture import site_hooks
+from ..dataspec import DataSpec
 from ..errors import Cancelled, InputError
 from .config import ConfigError, QuantConfig
 from .engine import QuantizedModel
@@ -90,39 +91,38 @@ class Deployment:
     forms: list[dict[str, Any]]
     parity: dict[str, Any] | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)  # DataSpec.record() of the calibration/check data
 
     def report(self) -> dict[str, Any]:
         """What ``deploy.json`` holds (and the Export page shows)."""
         return {"format": "onnx-qdq", "opset": OPSET, "non_uniform": self.choice.value,
                 "changed_sites": self.changed, "sites": self.forms, "parity": self.parity,
-                "seconds": self.seconds, "research_config": self.research.qmodel.config.to_dict(),
+                "seconds": self.seconds, "data": self.data, "research_config": self.research.qmodel.config.to_dict(),
                 "entries": [{"site": e.site, "weight": e.weight, "bits": e.qdq.bits, "signed": e.qdq.signed,
                              "axis": e.qdq.axis, "scale": np.asarray(e.qdq.scale).tolist(),
                              "zero_point": np.asarray(e.qdq.zero_point).tolist()} for e in self.graph.entries]}
 
 
-def prepare(loaded: Any, config: QuantConfig, data: str | None = None, choice: NonUniform = NonUniform.FLOAT,
+def prepare(loaded: Any, config: QuantConfig, data: DataSpec | str | None = None, choice: NonUniform = NonUniform.FLOAT,
             check_images: int = 200, device: str | torch.device = "cpu", batch_size: int = 32,
-            progress: Progress | None = None, cancel: Callable[[], bool] | None = None) -> Deployment:
+            progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
+            calib_progress: Progress | None = None) -> Deployment:
     """Calibrate ``config``, derive and calibrate its deployable form, build the QDQ graph and
-    (``check_images`` > 0) run it in ONNX Runtime next to vizq on held-out images."""
+    (``check_images`` > 0) run it in ONNX Runtime next to vizq on held-out images.
+    ``calib_progress`` reports the calibrations, ``progress`` the check (images)."""
     if loaded.info.modality != "image":
         raise InputError("ONNX export covers image models; text encoders export as vizq folders only (--format vizq)")
     t0 = time.time()
-    say = progress or (lambda *_: None)
-    say(0, 4, "calibrating the research configuration")
-    research = calibrate(loaded, config, data, device, cancel=cancel)
+    research = calibrate(loaded, config, data, device, progress=calib_progress, cancel=cancel)
     dep_cfg, changed = deployable_config(research.qmodel, choice)
     deployed = research
-    if changed:
-        say(1, 4, f"calibrating the deployable configuration ({len(changed)} site(s) changed)")
-        deployed = calibrate(loaded, dep_cfg, data, device, cancel=cancel)
+    if changed:  # the deployable form: uniform at the changed sites, recalibrated on the same data
+        deployed = calibrate(loaded, dep_cfg, data, device, progress=calib_progress, cancel=cancel)
     t1 = time.time()
-    say(2, 4, "exporting the ONNX graph")
     example = torch.zeros(1, *loaded.info.input_size)
     graph = build(deployed.qmodel, example)
     dep = Deployment(research, deployed, choice, graph, changed, site_forms(deployed.qmodel),
-                     seconds={"calibrate": t1 - t0, "onnx": time.time() - t1})
+                     seconds={"calibrate": t1 - t0, "onnx": time.time() - t1}, data=DataSpec.of(data).record())
     if check_images:
         t2 = time.time()
         images, idx = eval_split(loaded, config, data, check_images)
@@ -161,7 +161,7 @@ def check(loaded: Any, dep: Deployment, images: Any, idx: list[int], batch_size:
     hits = {"fp": 0, "research": 0, "vizq": 0, "ort": 0, "vizq_f64": 0}
     max_diff, first = 0.0, None
     if progress:
-        progress(0, len(idx), "checking in ONNX Runtime")
+        progress(0, len(idx), "")
     for xb, yb, _ in loaded.iterate(images, idx, batch_size):
         if cancel and cancel():
             raise Cancelled("check cancelled; nothing was written")
@@ -184,7 +184,7 @@ def check(loaded: Any, dep: Deployment, images: Any, idx: list[int], batch_size:
             for k in hits:
                 hits[k] += int((top[k] == yb).sum())
         if progress:
-            progress(n, len(idx), f"checking in ONNX Runtime: {n}/{len(idx)} images")
+            progress(n, len(idx), "")
     if n == 0:
         raise InputError("none of the check images could be read")
     pct = (lambda k: 100.0 * hits[k] / labeled) if labeled else (lambda k: None)
@@ -293,21 +293,16 @@ def write(dep: Deployment, out: str | Path, force: bool = False) -> Path:
     report = dep.report()
     return export(dep.deployed.qmodel, out, dep.deployed.image_ids, force=force, skipped=dep.deployed.skipped,
                   extra={"model.onnx": dep.graph.model, "deploy.json": (json.dumps(report, indent=2) + "\n").encode()},
-                  manifest_extra={"onnx": {"file": "model.onnx", "opset": OPSET, "non_uniform": dep.choice.value,
+                  manifest_extra={"data": dep.data, "onnx": {"file": "model.onnx", "opset": OPSET, "non_uniform": dep.choice.value,
                                            "changed_sites": len(dep.changed)}})
 
 
 def archive(dep: Deployment) -> bytes:
     """The export folder as a zip (for a browser download): written by :func:`write` to a
     temporary folder first, so the zip holds exactly what the CLI would have written."""
-    import io
     import tempfile
-    import zipfile
 
-    buf = io.BytesIO()
+    from .export import zip_folder
+
     with tempfile.TemporaryDirectory() as tmp:
-        out = write(dep, Path(tmp) / "vizq-onnx-export")
-        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-            for f in sorted(out.iterdir()):
-                z.write(f, f"vizq-onnx-export/{f.name}")
-    return buf.getvalue()
+        return zip_folder(write(dep, Path(tmp) / "vizq-onnx-export"), "vizq-onnx-export")

@@ -12,7 +12,8 @@ next Linear (reparameterization); weight quantizers are recalibrated on the fold
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -73,10 +74,16 @@ class ActQuant:
 
 
 class QuantizedModel(nn.Module):
-    """A fake-quantized copy of ``loaded.model`` following ``config``."""
+    """A fake-quantized copy of ``loaded.model`` following ``config``.
+
+    Its hooks sit on its own deep copy, never on the shared float model. Use it as a context
+    manager (``with QuantizedModel(loaded, cfg) as qm:`` or :func:`quantized`) so the hooks are
+    detached when the work is done; nothing relies on garbage collection (no ``__del__``).
+    """
 
     def __init__(self, loaded: Any, config: QuantConfig) -> None:
         super().__init__()
+        self.calib_ids: list[str] = []  # the samples it was calibrated on (manifests, reports)
         self.model = copy.deepcopy(loaded.model)
         self._fp = [loaded.model]  # the float original, for reconstruction (a list: not a submodule)
         self.ste = False  # straight-through gradients through activation quantizers (reconstruction)
@@ -105,6 +112,7 @@ class QuantizedModel(nn.Module):
         self._hook_ctx = site_hooks(self.model, self._hook_sites(), self._on_tensor)
         self._hook_ctx.__enter__()
         self._collect: set[str] | None = None  # progressive calibration: the sites being collected
+        self._ticks: tuple[Any, Any, int, list[int]] = (None, None, 0, [0])  # progress, cancel, total, done
         self._buffers: dict[str, list[torch.Tensor]] = {}
 
     def _hook_sites(self) -> list[Site]:
@@ -127,11 +135,15 @@ class QuantizedModel(nn.Module):
             self._hook_ctx.__exit__(None, None, None)
             self._hook_ctx = None
 
-    def __del__(self) -> None:  # noqa: D105 - hooks live on our own copy; drop them with it
-        try:
-            self.remove_hooks()
-        except Exception:  # noqa: BLE001
-            pass
+    def __enter__(self) -> "QuantizedModel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove_hooks()
+
+    @property
+    def hooked(self) -> bool:
+        return self._hook_ctx is not None
 
     def _on_tensor(self, site: Site, x: torch.Tensor) -> torch.Tensor | None:
         aq = self.acts.get(site.name)
@@ -153,6 +165,7 @@ class QuantizedModel(nn.Module):
             aq.calibrate(x[: self._score_images] if score else x, score=score)
             out = aq(x)
             aq.compile(x)  # checked against the calibration tensor itself
+            self._tick(site.name)
         else:
             out = aq(x)
         if site.kind == "v":
@@ -190,7 +203,8 @@ class QuantizedModel(nn.Module):
     # ---------------------------------------------------------------- calibration
     @torch.no_grad()
     def calibrate(self, images: torch.Tensor | list[torch.Tensor], progress: Progress | None = None,
-                  cancel: Callable[[], bool] | None = None) -> "QuantizedModel":
+                  cancel: Callable[[], bool] | None = None,
+                  recon_progress: Progress | None = None) -> "QuantizedModel":
         """Run the calibration procedure on one batch (N, …) or a list of batches.
 
         One batch: a single forward calibrates every quantizer in network order. Several
@@ -199,37 +213,47 @@ class QuantizedModel(nn.Module):
         with the quantizers before it already calibrated and applied, then calibrates.
         """
         batches = images if isinstance(images, list) else [images]
-        steps = 4
-        self._step(progress, cancel, 0, steps, "quantizing weights")
+        # Progress counts quantizers: the weights as one, each activation quantizer as it is
+        # calibrated (in network order), the fold and weight recalibration as the last one.
+        total = len(self.acts) + 2
+        self._ticks = (progress, cancel, total, [0])
+        self._tick("quantizing weights")
         self._quantize_weights()
-        self._step(progress, cancel, 1, steps, f"pass 1: calibrating {len(self.acts)} activation quantizers")
         for aq in self.acts.values():
             aq.q.state = {}
             aq._last = (None, None)
         if len(batches) == 1:
             self.model(batches[0])
         else:
-            self._calibrate_progressive(batches, progress, cancel)
+            self._calibrate_progressive(batches)
         mode = reparam_mode(self.config)
-        self._step(progress, cancel, 2, steps, f"reparameterizing post-LN ({mode})")
         if mode != "none":
             self._reparameterize(mode)
-        self._step(progress, cancel, 3, steps, "pass 2: recalibrating weights")
         self._quantize_weights()
+        self._tick(f"post-LN fold ({mode}) and weights recalibrated")
         self._stash.clear()
         if self.config.recon_iters:
             from .recon import reconstruct
 
             self.recon_modules = reconstruct(self, self._fp[0], batches if len(batches) > 1 else batches[0],
-                                             self.config.recon_iters, progress=progress, cancel=cancel)
+                                             self.config.recon_iters, progress=recon_progress or progress,
+                                             cancel=cancel)
         for aq in self.acts.values():
             aq._last = (None, None)
         self.calibrated = True
-        self._step(progress, cancel, 4, steps, "calibrated")
+        self._ticks = (None, None, 0, [0])
         return self
 
-    def _calibrate_progressive(self, batches: list[torch.Tensor], progress: Progress | None,
-                               cancel: Callable[[], bool] | None) -> None:
+    def _tick(self, what: str) -> None:
+        """One more quantizer calibrated; also where a cancel takes effect (between sites)."""
+        progress, cancel, total, done = self._ticks
+        if cancel and cancel():
+            raise Cancelled("calibration cancelled; nothing was written")
+        done[0] += 1
+        if progress:
+            progress(min(done[0], total), total, what)
+
+    def _calibrate_progressive(self, batches: list[torch.Tensor]) -> None:
         """Block by block: the quantizers of one block collect their inputs over every batch
         (earlier blocks already quantized; the forward stops once the block is seen), then
         calibrate. Within a block, later quantizers see that block's tensors in float."""
@@ -241,8 +265,7 @@ class QuantizedModel(nn.Module):
             elif s.name in self.acts:
                 stage_of[s.name] = stage
         stages = sorted(set(stage_of.values()))
-        for i, st in enumerate(stages):
-            self._step(None, cancel, 0, 0, "")
+        for st in stages:
             names = [n for n, v in stage_of.items() if v == st]
             self._collect, self._buffers = set(names), {n: [] for n in names}
             try:
@@ -259,16 +282,8 @@ class QuantizedModel(nn.Module):
                     x = merge_for_calibration(self._buffers[n], self.acts[n].q)
                     self.acts[n].calibrate(x)
                     self.acts[n].compile(x)
+                self._tick(n)
             self._buffers = {}
-            if progress:
-                progress(i + 1, len(stages), f"calibrated block {i + 1}/{len(stages)}")
-
-    @staticmethod
-    def _step(progress: Progress | None, cancel: Callable[[], bool] | None, i: int, n: int, msg: str) -> None:
-        if cancel and cancel():
-            raise Cancelled("calibration cancelled; nothing was written")
-        if progress:
-            progress(i, n, msg)
 
     def _quantize_weights(self) -> None:
         for path, q in self.weights.items():
@@ -344,3 +359,13 @@ def merge_for_calibration(xs: list[torch.Tensor], q: Quantizer) -> torch.Tensor:
     shape = [1] * rank
     shape[axis], shape[other] = groups.shape
     return (groups if axis < other else groups.T).contiguous().reshape(shape)
+
+
+@contextmanager
+def quantized(loaded: Any, config: QuantConfig) -> Iterator[QuantizedModel]:
+    """``with quantized(loaded, cfg) as qm:`` — a QuantizedModel whose hooks are gone afterwards."""
+    qm = QuantizedModel(loaded, config)
+    try:
+        yield qm
+    finally:
+        qm.remove_hooks()

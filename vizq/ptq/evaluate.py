@@ -14,7 +14,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..capture import site_hooks
-from ..data import DataError, ImageSet, none_readable, pick, resolve_images, split_indices
+from ..data import DataError, ImageSet, none_readable, pick, split_indices
+from ..dataspec import DataSpec
 from ..dist import Context, broadcast_object, gather_objects, shard, sum_tensor
 from ..errors import Cancelled, InputError
 from ..quant import native
@@ -46,6 +47,7 @@ class EvalResult:
     config: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)  # family-specific (text: cosine, recall@10)
     fake_quant_kernel: str = ""  # "compiled" (vizq's CPU kernel) or "torch": explains seconds_eval
+    data: dict[str, Any] = field(default_factory=dict)  # DataSpec.record(): which samples were used
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,6 +123,8 @@ def evaluate(loaded: Any, qmodel: QuantizedModel, images: ImageSet, indices: Seq
 
     t0 = time.time()
     total = len(indices)
+    if progress:
+        progress(0, total, "")
     with site_hooks(fp_model, watch, keep_fp), site_hooks(qmodel.model, watch, compare_q):
         for xb, yb, _ in loaded.iterate(images, indices, batch_size):
             if cancel and cancel():
@@ -131,9 +135,7 @@ def evaluate(loaded: Any, qmodel: QuantizedModel, images: ImageSet, indices: Seq
             q = qmodel(xb).float().cpu()
             acc.update(fp, q, yb)
             if progress:
-                done = acc.n + len(images.skipped)
-                eta = (time.time() - t0) / max(done, 1) * (total - done)
-                progress(done, total, f"{done}/{total} images, agreement {100 * acc.agree / max(acc.n, 1):.1f}%, ETA {eta:.0f}s")
+                progress(acc.n + len(images.skipped), total, f"agreement {100 * acc.agree / max(acc.n, 1):.1f}%")
     acc.reduce(ctx)
     skipped = [s for part in gather_objects(list(images.skipped), ctx) for s in part]
     if acc.n == 0:
@@ -166,6 +168,8 @@ def evaluate_embeddings(loaded: Any, qmodel: QuantizedModel, texts: ImageSet, in
     fps, qs = [], []
     t0 = time.time()
     total = len(indices)
+    if progress:
+        progress(0, total, "")
     for xb, _, _ in loaded.iterate(texts, shard(indices, ctx), batch_size):
         if cancel and cancel():
             raise Cancelled("evaluation cancelled; no result was written")
@@ -173,8 +177,7 @@ def evaluate_embeddings(loaded: Any, qmodel: QuantizedModel, texts: ImageSet, in
         fps.append(fp_model(xb).float().cpu())
         qs.append(qmodel(xb).float().cpu())
         if progress:
-            done = sum(len(f) for f in fps)
-            progress(done, total, f"{done}/{total} sentences")
+            progress(sum(len(f) for f in fps), total, "")
     parts = gather_objects((fps, qs), ctx)  # neighbours are searched among all sentences: gather them
     fps, qs = [f for p in parts for f in p[0]], [q for p in parts for q in p[1]]
     if not fps:
@@ -207,7 +210,7 @@ def retrieval_metrics(fp: torch.Tensor, q: torch.Tensor, k: int = 10) -> dict[st
             "nn_top1_agreement": 100 * float(top1), f"recall_at_{k}": 100 * float(recall)}
 
 
-def calibration_batch(loaded: Any, config: QuantConfig, data: str | None = None,
+def calibration_batch(loaded: Any, config: QuantConfig, data: DataSpec | str | None = None,
                       skipped: list[str] | None = None, for_eval: bool = True) -> tuple[Any, list[str]]:
     """The seeded calibration samples, and their ids (for the manifest): one tensor for
     images, a list of equal-length batches for text. Files that could not be read are
@@ -215,8 +218,9 @@ def calibration_batch(loaded: Any, config: QuantConfig, data: str | None = None,
     same pool must also supply evaluation images (see :func:`calib_count`); an export that
     only calibrates takes the count asked."""
     cal = config.calibration
-    images = resolve_images(loaded, data, "calib")
-    if _has_own_split(loaded, data):
+    spec = DataSpec.of(data)
+    images = spec.open(loaded, "calib")
+    if spec.own_split(loaded):
         idx = pick(len(images), cal.images, cal.seed)
     else:
         n = calib_count(len(images), cal.images) if for_eval else min(cal.images, len(images))
@@ -234,10 +238,12 @@ def calibration_batch(loaded: Any, config: QuantConfig, data: str | None = None,
     return torch.cat(xs), ids
 
 
-def eval_split(loaded: Any, config: QuantConfig, data: str | None, n_eval: int, seed: int = 0) -> tuple[ImageSet, list[int]]:
-    """Evaluation images, disjoint from calibration (held-out split, or the folder's remainder)."""
-    images = resolve_images(loaded, data, "eval")
-    if _has_own_split(loaded, data):
+def eval_split(loaded: Any, config: QuantConfig, data: DataSpec | str | None, n_eval: int,
+               seed: int = 0) -> tuple[ImageSet, list[int]]:
+    """Evaluation images, disjoint from calibration (held-out split, or the pool's remainder)."""
+    spec = DataSpec.of(data)
+    images = spec.open(loaded, "eval")
+    if spec.own_split(loaded):
         idx = pick(len(images), n_eval, seed)
     else:
         _, idx = split_indices(len(images), calib_count(len(images), config.calibration.images), n_eval,
@@ -255,13 +261,6 @@ def calib_count(pool: int, asked: int) -> int:
     return min(asked, max(1, pool // 2))
 
 
-def _has_own_split(loaded: Any, data: str | None) -> bool:
-    """Bundled sets with a training/held-out split (the digits) vs one pool that must be split."""
-    from ..data import BUNDLED_SETS
-
-    return (not data or data == "bundled") and loaded.info.model_id in BUNDLED_SETS
-
-
 @dataclass
 class Calibration:
     """A calibrated model and what it was calibrated on (for manifests and honest reports)."""
@@ -272,7 +271,7 @@ class Calibration:
     seconds: float
 
 
-def calibrate(loaded: Any, config: QuantConfig, data: str | None = None, device: str | torch.device = "cpu",
+def calibrate(loaded: Any, config: QuantConfig, data: DataSpec | str | None = None, device: str | torch.device = "cpu",
               progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
               for_eval: bool = True) -> Calibration:
     """Calibrate ``config`` on the seeded calibration samples of ``data``; the one way every
@@ -289,7 +288,7 @@ def calibrate(loaded: Any, config: QuantConfig, data: str | None = None, device:
     return Calibration(qmodel, ids, skipped, time.time() - t0)
 
 
-def calibrate_shared(loaded: Any, config: QuantConfig, data: str | None, ctx: Context,
+def calibrate_shared(loaded: Any, config: QuantConfig, data: DataSpec | str | None, ctx: Context,
                      progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
                      for_eval: bool = True) -> Calibration:
     """Under torchrun: rank 0 calibrates and sends the calibrated state to every rank.
@@ -311,15 +310,17 @@ def calibrate_shared(loaded: Any, config: QuantConfig, data: str | None, ctx: Co
     return Calibration(qm, ids, skipped, seconds)
 
 
-def run_eval(loaded: Any, config: QuantConfig, data: str | None = None, n_eval: int = 1000, device: str = "cpu",
+def run_eval(loaded: Any, config: QuantConfig, data: DataSpec | str | None = None, n_eval: int = 1000, device: str = "cpu",
              batch_size: int = 64, progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
-             qmodel: QuantizedModel | None = None, ctx: Context | None = None) -> tuple[EvalResult, QuantizedModel]:
+             qmodel: QuantizedModel | None = None, ctx: Context | None = None,
+             calib_progress: Progress | None = None) -> tuple[EvalResult, QuantizedModel]:
     """Calibrate (unless ``qmodel`` is given, e.g. reloaded from an export) and evaluate;
-    under torchrun (``ctx``) calibration is shared from rank 0 and evaluation is sharded."""
+    under torchrun (``ctx``) calibration is shared from rank 0 and evaluation is sharded.
+    ``calib_progress`` and ``progress`` report the two phases separately (sites, then images)."""
     ctx = ctx or Context(device=str(device))
     n_cal, t_cal, skipped = 0, 0.0, []
     if qmodel is None:
-        cal = calibrate_shared(loaded, config, data, ctx, cancel=cancel)
+        cal = calibrate_shared(loaded, config, data, ctx, progress=calib_progress, cancel=cancel)
         qmodel, n_cal, t_cal, skipped = cal.qmodel, len(cal.image_ids), cal.seconds, cal.skipped
     images, idx = eval_split(loaded, config, data, n_eval)
     fn = evaluate_embeddings if loaded.info.modality == "text" else evaluate
@@ -327,10 +328,11 @@ def run_eval(loaded: Any, config: QuantConfig, data: str | None = None, n_eval: 
              calib_images=n_cal, seconds_calibrate=t_cal, ctx=ctx)
     res.skipped_files = skipped + res.skipped_files
     res.skipped_images = len(res.skipped_files)
+    res.data = DataSpec.of(data).record()
     return res, qmodel
 
 
-def sensitivity(loaded: Any, config: QuantConfig, data: str | None = None, n_eval: int = 200, by: str = "kind",
+def sensitivity(loaded: Any, config: QuantConfig, data: DataSpec | str | None = None, n_eval: int = 200, by: str = "kind",
                 mode: str = "only", device: str = "cpu", progress: Progress | None = None,
                 cancel: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
     """Quantize one group at a time (``mode='only'``) or all but one (``'all_but'``).
@@ -363,9 +365,9 @@ def sensitivity(loaded: Any, config: QuantConfig, data: str | None = None, n_eva
             if name not in keep:
                 overrides[name] = {"enabled": False}
         cfg = QuantConfig.from_dict({**config.to_dict(), "overrides": overrides})
-        qm = QuantizedModel(loaded, cfg).calibrate(calib, cancel=cancel)
-        r = evaluate(loaded, qm, images, idx, 64, device, site_sqnr=False, cancel=cancel)
-        qm.remove_hooks()
+        with QuantizedModel(loaded, cfg) as qm:
+            qm.calibrate(calib, cancel=cancel)
+            r = evaluate(loaded, qm, images, idx, 64, device, site_sqnr=False, cancel=cancel)
         metric = "top1" if r.q_top1 is not None else "agreement"
         lost = (r.fp_top1 - r.q_top1) if r.q_top1 is not None else 100.0 - r.agreement
         rows.append({"group": label, "mode": mode, "sites": len(member_set), "q_top1": r.q_top1,

@@ -9,11 +9,15 @@ Folder layout (written atomically: a failed or cancelled export leaves no folder
 """
 from __future__ import annotations
 
+import io
 import json
 import platform
+import tempfile
 import time
+import zipfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import load_file, save
@@ -189,10 +193,48 @@ def read_json(p: Path) -> Any:
         raise ConfigError(f"{p.parent.name}/{p.name} is damaged or unreadable ({e}); export again") from None
 
 
+def zip_folder(folder: Path, arcname: str) -> bytes:
+    """``folder``'s files as a zip under ``arcname/`` (what the dashboard offers for download;
+    :func:`load_export` reads it back as it is)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for f in sorted(Path(folder).iterdir()):
+            z.write(f, f"{arcname}/{f.name}")
+    return buf.getvalue()
+
+
+@contextmanager
+def opened(path: str | Path) -> Iterator[Path]:
+    """An export folder, or a zip of one (as the dashboard downloads it) unpacked to a temporary
+    folder for the duration. Only plain member names are extracted (no ``..``, no absolute paths)."""
+    p = Path(path)
+    if not (p.is_file() and zipfile.is_zipfile(p)):
+        yield p
+        return
+    with zipfile.ZipFile(p) as z, tempfile.TemporaryDirectory() as tmp:
+        names = [n for n in z.namelist() if not n.endswith("/")]
+        bad = [n for n in names if n.startswith("/") or ".." in Path(n).parts]
+        if bad:
+            raise ConfigError(f"{p.name} holds unsafe member names ({bad[0]!r}); it is not a vizq export")
+        manifests = [n for n in names if Path(n).name == "manifest.json"]
+        if len(manifests) != 1:
+            raise ConfigError(f"{p.name} is not a zipped vizq export (expected one manifest.json, found {len(manifests)})")
+        root = str(Path(manifests[0]).parent)
+        for n in names:
+            if str(Path(n).parent) == root:
+                (Path(tmp) / Path(n).name).write_bytes(z.read(n))
+        yield Path(tmp)
+
+
 @torch.no_grad()
 def load_export(path: str | Path, loaded: Any) -> QuantizedModel:
-    """Rebuild the calibrated quantized model without recalibration (bit-identical outputs)."""
-    path = Path(path)
+    """Rebuild the calibrated quantized model without recalibration (bit-identical outputs).
+    ``path``: an export folder or its zip."""
+    with opened(path) as folder:
+        return _load_folder(Path(folder), loaded, Path(path).name)
+
+
+def _load_folder(path: Path, loaded: Any, name: str) -> QuantizedModel:
     man = read_manifest(path)
     config = QuantConfig.load(path / "config.json")
     info = read_json(path / "quant_params.json")
@@ -203,9 +245,9 @@ def load_export(path: str | Path, loaded: Any) -> QuantizedModel:
     except Exception as e:  # noqa: BLE001 - any reader failure means a damaged file
         raise ConfigError(f"{path.name}/params.safetensors is damaged or missing ({e}); export again") from None
     try:
-        return restore(loaded, config, tensors, info["sites"], man, source=path.name)
+        return restore(loaded, config, tensors, info["sites"], man, source=name)
     except (KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:  # a hand-edited or damaged file
-        raise ConfigError(f"{path.name} does not fit this model or is damaged ({type(e).__name__}: {e}); export again") from None
+        raise ConfigError(f"{name} does not fit this model or is damaged ({type(e).__name__}: {e}); export again") from None
 
 
 @torch.no_grad()

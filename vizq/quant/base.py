@@ -131,17 +131,6 @@ class Quantizer:
             "state": {k: {"shape": list(v.shape), "data": v.flatten().tolist()} for k, v in self.state.items()},
         }
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Quantizer":
-        from .registry import get_quantizer
-
-        q = get_quantizer(d["name"], bits=d["bits"], **d.get("options", {}))
-        q.axis = d.get("axis")
-        q.state = {
-            k: torch.tensor(v["data"], dtype=torch.float32).reshape(v["shape"]) for k, v in d.get("state", {}).items()
-        }
-        return q
-
     def to(self, device: torch.device | str) -> "Quantizer":
         self.state = {k: v.to(device) for k, v in self.state.items()}
         return self

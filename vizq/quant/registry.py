@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .base import Quantizer, QuantizerError
 
 _REGISTRY: dict[str, type[Quantizer]] = {}
@@ -58,3 +60,12 @@ def quantizer_class(name: str) -> type[Quantizer]:
     if name not in _REGISTRY:
         raise QuantizerError(f"unknown quantizer {name!r}; choose one of: {', '.join(list_quantizers())}")
     return _REGISTRY[name]
+
+
+def quantizer_from_dict(d: dict[str, Any]) -> Quantizer:
+    """A calibrated quantizer from :meth:`Quantizer.to_dict` (lives here, not on the class, so
+    the base class never imports the registry)."""
+    q = get_quantizer(d["name"], bits=d["bits"], **d.get("options", {}))
+    q.axis = d.get("axis")
+    q.state = {k: torch.tensor(v["data"], dtype=torch.float32).reshape(v["shape"]) for k, v in d.get("state", {}).items()}
+    return q

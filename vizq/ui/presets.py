@@ -1,4 +1,8 @@
-"""Widgets to build a QuantConfig: a preset, bit widths, and per-kind overrides."""
+"""Widgets to build a QuantConfig: a preset, bit widths, and per-kind overrides.
+
+Evaluate and Export draw the same form under one key prefix, and every value is kept per
+session (:func:`kept`), so the configuration chosen on one page is the one the other shows and
+leaving a page never resets it."""
 from __future__ import annotations
 
 import pandas as pd
@@ -7,24 +11,30 @@ import streamlit as st
 from ..ptq.config import QuantConfig
 from ..ptq.presets import PRESETS, QUANTIZED_ACT_KINDS
 from ..quant import list_quantizers
+from .state import kept
 
 
-def config_form(prefix: str) -> QuantConfig | None:
-    """Returns the config the user built (None until it validates)."""
+def config_form(prefix: str = "cfg") -> QuantConfig:
+    """The config the user built (raises ConfigError when it does not validate)."""
     c1, c2, c3 = st.columns([2, 1, 1])
-    method = c1.selectbox("Method", list(PRESETS), index=list(PRESETS).index("repq"), key=f"{prefix}-method",
-                          format_func=lambda m: f"{m} — {PRESETS[m].description}")
-    wbits = c2.selectbox("W bits", [2, 3, 4, 5, 6, 8], index=2, key=f"{prefix}-w")
-    abits = c3.selectbox("A bits", [2, 3, 4, 5, 6, 8], index=2, key=f"{prefix}-a")
+    method = kept(c1.selectbox, "Preset", f"{prefix}-method", "repq", options=list(PRESETS),
+                  format_func=lambda m: f"{m} — {PRESETS[m].description}")
+    wbits = kept(c2.selectbox, "W bits", f"{prefix}-w", 4, options=[2, 3, 4, 5, 6, 8])
+    abits = kept(c3.selectbox, "A bits", f"{prefix}-a", 4, options=[2, 3, 4, 5, 6, 8])
+    if PRESETS[method].fixed_format:
+        st.caption(f"{method} is a fixed-width format: its own bit widths apply, not the W/A bits above.")
     c1, c2, c3 = st.columns(3)
-    calib = c1.number_input("Calibration images", 1, 1024, 32, key=f"{prefix}-calib")
-    seed = c2.number_input("Calibration seed", 0, 2**31 - 1, 0, key=f"{prefix}-seed")
+    calib = kept(c1.number_input, "Calibration images", f"{prefix}-calib", 32, min_value=1, max_value=1024)
+    seed = kept(c2.number_input, "Calibration seed", f"{prefix}-seed", 0, min_value=0, max_value=2**31 - 1)
     overrides = {}
+    store = st.session_state.setdefault("_kept", {})
     with st.expander("Custom mix: override the quantizer per site kind"):
-        base = pd.DataFrame([{"kind": k, "quantizer": "(preset)", "bits": 0, "enabled": True} for k in QUANTIZED_ACT_KINDS + ("weight",)])
-        edited = st.data_editor(base, key=f"{prefix}-ovr", hide_index=True, disabled=["kind"], column_config={
+        base = store.get(f"{prefix}-ovr-table") or [{"kind": k, "quantizer": "(preset)", "bits": 0, "enabled": True}
+                                                    for k in QUANTIZED_ACT_KINDS + ("weight",)]
+        edited = st.data_editor(pd.DataFrame(base), key=f"{prefix}-ovr", hide_index=True, disabled=["kind"], column_config={
             "quantizer": st.column_config.SelectboxColumn(options=["(preset)"] + list_quantizers()),
             "bits": st.column_config.NumberColumn(min_value=0, max_value=16, help="0: the W/A bits above")})
+        store[f"{prefix}-ovr-table"] = edited.to_dict("records")
         for r in edited.to_dict("records"):
             rule = {}
             if not r["enabled"]:

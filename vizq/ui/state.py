@@ -6,16 +6,17 @@ seed) in a shared dict, computed with a visible progress bar.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import traceback
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pandas as pd
 import streamlit as st
 
+from ..data import DataError
+from ..dataspec import DataSpec, Source
 from ..errors import is_user_error, message
 from ..models import REAL_DEFAULT
 
@@ -68,39 +69,58 @@ def current_model() -> Any:
         return _load(st.session_state.model_spec, json.dumps(st.session_state.model_kwargs, sort_keys=True))
 
 
-def data_key() -> str:
+def _data_spec() -> DataSpec:
     s = st.session_state
     if s.data_mode == "folder":
-        return f"folder:{s.data_path}"
+        if not s.data_path:
+            raise DataError("the data source is 'folder' but no path is set; enter one on Model & data")
+        return DataSpec.of(s.data_path)
     if s.data_mode == "upload":
-        h = hashlib.sha256(b"".join(b for _, b in s.uploads)).hexdigest()[:12]
-        return f"upload:{h}"
-    return "bundled"
+        return DataSpec.uploads(s.uploads)
+    return DataSpec.bundled()
 
 
-def data_label() -> str:
-    """What the sidebar says the images are (the bundled set depends on the model)."""
-    from ..models import BUNDLED
+def current_data() -> DataSpec:
+    """The data the sidebar names, as the value every service call gets (one source of truth)."""
+    with guard("Choosing the data"):
+        return _data_spec()
 
-    s = st.session_state
-    if s.data_mode != "bundled":
-        return data_key()
-    return "bundled MNIST digits" if s.model_spec == BUNDLED else "scikit-image photographs (bundled, no labels)"
+
+def data_key() -> str:
+    return current_data().key()
+
+
+def data_label(lm: Any | None = None) -> str:
+    """What the sidebar says the data is (the bundled samples depend on the model's family)."""
+    try:
+        spec = _data_spec()
+    except DataError as e:
+        return f"not usable: {message(e)}"
+    if lm is not None:
+        return spec.label(lm)
+    if spec.source is Source.BUNDLED:
+        from ..models import family_for
+
+        return family_for(st.session_state.model_spec).samples_label
+    return spec.label(None)
 
 
 def current_images(lm: Any, part: str = "eval") -> Any:
-    from ..data import resolve_images, uploaded_images
-
-    s = st.session_state
     with guard("Reading images"):
-        if s.data_mode == "upload" and lm.info.modality == "text":
-            from ..text import text_lines
+        return current_data().open(lm, part)
 
-            lines = [ln for _, b in s.uploads for ln in b.decode("utf-8", errors="replace").splitlines()]
-            return text_lines(lines, "uploads")
-        if s.data_mode == "upload":
-            return uploaded_images(s.uploads)
-        return resolve_images(lm, s.data_path if s.data_mode == "folder" else None, part)
+
+def kept(widget: Callable[..., Any], label: str, key: str, default: Any, **kw: Any) -> Any:
+    """A keyed widget whose value survives leaving the page (Streamlit drops the state of
+    widgets that are not drawn): the value is kept per session under ``_kept`` and put back
+    before the widget is drawn again."""
+    s = st.session_state
+    store = s.setdefault("_kept", {})
+    if key not in s:
+        s[key] = store.get(key, default)
+    value = widget(label, key=key, **kw)
+    store[key] = value
+    return value
 
 
 @st.cache_resource

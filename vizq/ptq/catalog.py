@@ -1,0 +1,75 @@
+"""The published methods as data: which quantizer each site kind gets under each preset.
+
+Only records, no logic: ``presets`` turns a record and a config into per-site quantizers, and
+``config`` checks a preset name against this table, so neither has to import the other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+QUANTIZED_ACT_KINDS = ("post_ln", "post_softmax", "post_gelu", "q", "k", "v", "attn_proj_in", "linear_in")
+GELU_SHIFT = 0.16997  # |min GELU|: AdaLog quantizes x + η and folds -Ŵη into fc2's bias
+PATCH_INPUT_BITS = 8
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    acts: dict[str, tuple[str, dict[str, Any]]]  # kind -> (quantizer, options); others: default
+    default_act: tuple[str, dict[str, Any]]
+    weights: tuple[str, dict[str, Any]]
+    reparam: str = "none"  # post-LN scale folding: none / mean / median
+    fixed_format: bool = False  # FP formats: bit widths come from the format
+    shifts: dict[str, float] = field(default_factory=dict)
+    paper: str = ""
+    patch_input: tuple[str, dict[str, Any]] = ("uniform", {"method": "minmax"})  # at PATCH_INPUT_BITS
+    score_images: int | None = None  # output-scored searches: images of the batch they use (None: all)
+    token_relative: bool = False  # output-scored Linear inputs: per-token relative error (massive activations)
+
+
+_PCT = {"method": "percentile"}
+_W_PC = ("uniform", {"granularity": "out_channel", "method": "percentile"})
+_LN_PC = ("uniform", {"granularity": "channel", "method": "percentile"})
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("minmax", "per-tensor uniform min/max everywhere (naive baseline)", {},
+               ("uniform", {"method": "minmax"}), ("uniform", {"method": "minmax"})),
+        Preset("ptq4vit", "twin-uniform softmax and GELU, MSE-searched uniform elsewhere (no Hessian)",
+               {"post_softmax": ("twin", {"mode": "softmax"}), "post_gelu": ("twin", {"mode": "gelu"})},
+               ("uniform", {"method": "mse"}), ("uniform", {"granularity": "out_channel", "method": "mse"}),
+               paper="PTQ4ViT (ECCV'22)"),
+        Preset("repq", "RepQ-ViT as its released code does it: per-channel post-LN folded (mean scale, "
+               "unrounded mean zero point), log√2 softmax, 0.999/0.9999/0.99999-quantile searches on whole tensors",
+               {"post_ln": _LN_PC, "post_softmax": ("logsqrt2", _PCT)},
+               ("uniform", _PCT), _W_PC, reparam="mean", paper="RepQ-ViT (ICCV'23)", patch_input=("uniform", _PCT)),
+        Preset("repq+", "vizq's refinement of repq: post-GELU range chosen by the next Linear's output error "
+               "per token (massive activations then get clipped instead of erasing every ordinary value), "
+               "exact integer-zero-point fold, finer log√2 scale search",
+               {"post_ln": _LN_PC, "post_softmax": ("logsqrt2", {"method": "mse"})},
+               ("uniform", _PCT), _W_PC, reparam="mean_int", patch_input=("uniform", _PCT), token_relative=True),
+        Preset("dopq", "TanQ softmax, post-LN folded with the median scale (MOSF), no reconstruction",
+               {"post_ln": _LN_PC, "post_softmax": ("tanq", {})},
+               ("uniform", _PCT), _W_PC, reparam="median", paper="DopQ-ViT", patch_input=("uniform", _PCT)),
+        Preset("adalog", "AdaLog softmax and post-GELU (bias-shifted), searches scored on layer output",
+               {"post_ln": _LN_PC, "post_softmax": ("adalog", {}), "post_gelu": ("adalog", {"signed": False})},
+               ("uniform", _PCT), _W_PC, reparam="mean", shifts={"post_gelu": GELU_SHIFT}, paper="AdaLog (ECCV'24)",
+               patch_input=("uniform", _PCT), score_images=8),
+        Preset("ias", "SULQ softmax, per-channel post-LN folded (mean); optional block reconstruction",
+               {"post_ln": _LN_PC, "post_softmax": ("sulq", {})},
+               ("uniform", _PCT), _W_PC, reparam="mean", paper="I&S-ViT", patch_input=("uniform", _PCT)),
+        Preset("fp8", "FP8 E4M3 activations (per-tensor scale) and weights (per-channel scale)", {},
+               ("fp8_e4m3", {}), ("fp8_e4m3", {"granularity": "out_channel"}), fixed_format=True),
+        Preset("mxfp4", "OCP MXFP4 (32-value E2M1 blocks, power-of-two scales) everywhere", {},
+               ("mxfp4", {}), ("mxfp4", {}), fixed_format=True),
+        Preset("nvfp4", "NVFP4 (16-value E2M1 blocks, E4M3 scales) everywhere", {},
+               ("nvfp4", {}), ("nvfp4", {}), fixed_format=True),
+    )
+}
+
+#: Kinds whose searches are scored on the output of the operation they feed (AdaLog's FPCS;
+#: for repq+, the post-GELU range: the error of fc2's output, not of its input).
+OUTPUT_SCORED = {"adalog": ("post_softmax", "post_gelu"), "repq+": ("post_gelu",)}
