@@ -6,7 +6,7 @@ from vizq.capture import summary_rows
 from vizq.models import BUNDLED, REAL_DEFAULT, SUPPORTED_ARCHS
 from vizq.families.bert import MINILM
 from vizq.sites import KIND_HELP, count_by_kind
-from vizq.ui.state import chart_table, current_capture, current_model, guard, save_upload
+from vizq.ui.state import chart_table, current_capture, current_model, data_label, guard, save_upload, units
 
 st.title("Model & data")
 s = st.session_state
@@ -43,9 +43,10 @@ with st.form("model"):
                 st.stop()
             spec = f"{arch}@{path}"
         s.model_mode, s.model_spec, s.model_kwargs = mode, spec, kwargs
+        st.rerun()  # the sidebar was drawn before this form: draw it again with the new model
 
 with st.form("data"):
-    dmode = st.radio("Images", ["bundled", "folder", "upload"], horizontal=True,
+    dmode = st.radio("Data", ["bundled", "folder", "upload"], horizontal=True,
                      index=["bundled", "folder", "upload"].index(s.data_mode),
                      format_func={"bundled": "Bundled set", "folder": "Folder on this machine",
                                   "upload": "Upload images"}.get)
@@ -54,21 +55,24 @@ with st.form("data"):
     files = st.file_uploader("Images (or one .txt file of sentences for text models)",
                              type=["jpg", "jpeg", "png", "webp", "bmp", "txt"], accept_multiple_files=True)
     c1, c2 = st.columns(2)
-    n = c1.number_input("Images to capture", 1, 10000, int(s.n_images))
+    n = c1.number_input("Samples to capture (images or sentences)", 1, 10000, int(s.n_images))
     seed = c2.number_input("Seed", 0, 2**31 - 1, int(s.seed))
-    if st.form_submit_button("Use these images"):
+    if st.form_submit_button("Use this data"):
         s.data_mode, s.data_path, s.n_images, s.seed = dmode, path.strip(), int(n), int(seed)
         if dmode == "upload":
             s.uploads = [(f.name, f.getvalue()) for f in files or []]
+        st.rerun()  # the sidebar names the data: draw it again
 
 lm = current_model()
 info = lm.info
 st.subheader(f"{info.model_id}")
+shape = ([("input", "×".join(map(str, info.input_size))), ("patch grid", "×".join(map(str, info.patch_grid)))]
+         if info.modality == "image" else
+         [("input", f"token ids, ≤ {info.data_config.get('max_tokens', '?')} per sentence"),
+          ("attention heads", info.data_config.get("heads", "?"))])
 cols = st.columns(6)
 for c, (label, value) in zip(cols, [("family", info.family), ("blocks", info.num_blocks),
-                                    ("parameters", f"{info.num_params / 1e6:.2f} M"),
-                                    ("input", "×".join(map(str, info.input_size))),
-                                    ("patch grid", "×".join(map(str, info.patch_grid)) or "-"),
+                                    ("parameters", f"{info.num_params / 1e6:.2f} M"), *shape,
                                     ("weights", info.weights_source)]):
     c.metric(label, value)
 st.caption(f"weights sha256 {info.weights_sha256[:16]}… · "
@@ -78,6 +82,6 @@ st.dataframe(kinds, hide_index=True, width="stretch")
 
 force = st.button("Capture activations", type="primary")
 cap = current_capture(lm, force=force)
-st.success(f"Captured {cap.num_images} images over {len(cap.stats)} sites in {cap.seconds:.1f}s.")
+st.success(f"Captured {cap.num_images} {units(lm)} ({data_label(lm)}) over {len(cap.stats)} sites in {cap.seconds:.1f}s.")
 with guard("Summarising the capture"):
     chart_table(pd.DataFrame(summary_rows(cap)), "capture-summary")

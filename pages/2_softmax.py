@@ -4,6 +4,7 @@ import streamlit as st
 
 from vizq import plots
 from vizq.capture import key_mass, powerlaw_tail
+from vizq.data import as_seen
 from vizq.ui.state import chart, current_images, guard, image_model_only, page_capture
 
 st.title("Softmax explorer")
@@ -21,7 +22,7 @@ with guard("Drawing the softmax views"):
     m2.metric("share of p > 0.5", f"{100 * tail['frac_above_0.5']:.3f} %")
     m3.metric("share of p ≥ 1/8", f"{100 * tail['frac_above_0.125']:.2f} %")
     chart(*plots.softmax_log2_histogram(stt.log_hist, heads or None, f"{site}: probabilities per log2 bin"), "softmax-hist")
-    chart(*plots.ccdf_loglog(stt.log_hist, tail["alpha"], f"{site}: CCDF on log-log axes"), "softmax-ccdf")
+    chart(*plots.ccdf_loglog(stt.log_hist, tail, f"{site}: CCDF on log-log axes"), "softmax-ccdf")
 
 st.subheader("Attention of one query over the image")
 grid = lm.info.patch_grid
@@ -43,8 +44,11 @@ else:
     by_id = {r.id: r for r in images.records}
     rid = cap.reservoir_ids[img_i] if img_i < len(cap.reservoir_ids) else None
     with guard("Drawing the overlay"):
-        im = by_id[rid].open().convert("RGB").resize(lm.info.input_size[1:][::-1]) if rid in by_id else None
-        pic = np.asarray(im) if im is not None else np.zeros((*lm.info.input_size[1:], 3), np.uint8)
+        dc = lm.info.data_config
+        pic = (as_seen(by_id[rid].open(), lm.transform, dc["mean"], dc["std"]) if rid in by_id
+               else np.zeros((*lm.info.input_size[1:], 3), np.uint8))
+        if pic.shape[-1] == 1:
+            pic = np.repeat(pic, 3, -1)
         chart(*plots.attention_overlay(pic, a[query].numpy(), grid, f"{site}, query {query}, image {rid}"), "attention-overlay")
 
 st.subheader("Attention sinks across layers")

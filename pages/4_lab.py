@@ -6,8 +6,9 @@ import streamlit as st
 
 from vizq import plots
 from vizq.lab import lab_input, run_quantizer
-from vizq.quant import GRANULARITY_AXES, list_quantizers, quantizer_class
-from vizq.ui.state import chart, chart_table, current_capture, current_model, guard
+from vizq.quant import GRANULARITY_AXES, QuantizerError, list_quantizers, quantizer_class
+from vizq.quant.registry import bits_for
+from vizq.ui.state import chart, chart_table, current_capture, current_model, guard, units
 
 st.title("Quantizer lab")
 lm = current_model()
@@ -19,7 +20,7 @@ site = c1.selectbox("Site", names, index=names.index(default))
 bits = c2.slider("Bits (integer / log grids)", 2, 8, 4)
 chosen = st.multiselect("Quantizers", list_quantizers(), default=["uniform", "log2", "logsqrt2", "adalog", "tanq", "sulq"])
 
-choices = []
+choices, unavailable = [], []
 with st.expander("Options per quantizer"):
     for name in chosen:
         cls = quantizer_class(name)
@@ -34,8 +35,10 @@ with st.expander("Options per quantizer"):
                 opts[key] = val
         if opts.get("granularity") == "tensor":
             opts.pop("granularity")
-        lo, hi = cls.bit_range
-        choices.append((name, bits if lo <= bits <= hi else hi, opts))
+        try:  # the one bits rule: fixed-width formats keep their width; other ranges must hold the slider's
+            choices.append((name, bits_for(cls, bits), opts))
+        except QuantizerError as e:
+            unavailable.append(f"{name}: {e}")
 
 inp = lab_input(cap, site, lm.model)
 t0 = time.perf_counter()
@@ -50,16 +53,23 @@ with guard("Running the quantizers"):
         levels[label] = lv if lv.dim() == 1 else lv[0]
         outs[label] = xq
 elapsed = 1000 * (time.perf_counter() - t0)
-st.caption(f"{inp.kind} tensor {tuple(inp.x.shape)} from {cap.num_images} captured images · "
+st.caption(f"{inp.kind} tensor {tuple(inp.x.shape)} from {cap.num_images} captured {units(lm)} · "
            f"updated in **{elapsed:.0f} ms** for {len(choices)} quantizers"
            + (" · per-group levels: the first group's are drawn" if any(o for _, _, o in choices) else ""))
 if not rows:
     st.info("Choose at least one quantizer.")
     st.stop()
+if unavailable:
+    st.info("Not drawn at this width: " + "; ".join(unavailable))
 table = pd.DataFrame(rows).set_index("label").drop(columns=["options"])
 task = inp.task_metric
-if task and task in table:
-    table = table.sort_values(task)
+other = sorted({int(b) for b in table.bits if b != bits})
+table.insert(0, "compared_at", ["slider width" if b == bits else f"own width ({b} bits)" for b in table.bits])
+if task and task in table:  # rank within one width: a fixed 4-bit format is not ranked against a 6-bit grid
+    table = table.assign(_w=table.bits != bits).sort_values(["_w", task]).drop(columns="_w")
+if other:
+    st.caption(f"Fixed-width formats run at their own width ({', '.join(f'{b} bits' for b in other)}), not at the "
+               f"slider's {bits}: they are listed after the {bits}-bit grids and ranked among themselves.")
 chart_table(table.reset_index(), "lab-metrics")
 log_x = inp.kind == "post_softmax"
 with guard("Drawing"):

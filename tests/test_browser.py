@@ -91,3 +91,50 @@ def test_every_page_in_a_real_browser(server):
             page.screenshot(path=str(SHOTS / f"{i + 1}_{title.split()[0].lower().replace('&', '')}.png"), full_page=True)
         browser.close()
     assert len(list(SHOTS.glob("*.png"))) == len(PAGES)
+
+
+def _browser(p):
+    return p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                             args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                                   "--disable-component-update", "--disable-sync", "--no-first-run"])
+
+
+def test_three_uploaded_images_are_what_evaluate_uses_and_nothing_leaves_the_machine(server, tmp_path):
+    """Upload 3 photographs on Model & data, evaluate: the result names the 3 uploads and says
+    there are no labels (before the service layer it reported the bundled digits). Every
+    request the page makes goes to the dashboard itself."""
+    import numpy as np
+    from PIL import Image
+    from playwright.sync_api import sync_playwright
+
+    rng = np.random.default_rng(0)
+    files = []
+    for i in range(3):
+        f = tmp_path / f"photo{i}.png"
+        Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(f)
+        files.append(str(f))
+    host = server.split("//", 1)[1]
+    outside: list[str] = []
+    with sync_playwright() as p:
+        browser = _browser(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.on("request", lambda r: None if r.url.split("//", 1)[-1].startswith(host) or r.url.startswith(("data:", "blob:"))
+                else outside.append(r.url))
+        page.goto(server, wait_until="networkidle")
+        page.get_by_role("heading", name="Model & data").first.wait_for(timeout=120_000)
+        page.get_by_text("Upload images", exact=True).click()
+        page.locator("input[type='file']").nth(1).set_input_files(files)
+        page.wait_for_timeout(1500)
+        page.get_by_role("button", name="Use this data").click()
+        page.get_by_text("3 uploaded file(s)").first.wait_for(timeout=60_000)  # the sidebar, after the rerun
+        page.get_by_role("link", name="Evaluate").first.click()
+        page.get_by_role("heading", name="Evaluate").first.wait_for(timeout=60_000)
+        page.get_by_role("button", name="Run evaluation").click()
+        result = page.locator("[data-testid='stAlertContentSuccess']").first
+        result.wait_for(timeout=180_000)
+        text = result.inner_text()
+        page.screenshot(path=str(tmp_path / "upload-eval.png"), full_page=True)
+        browser.close()
+    assert "3 uploaded file(s)" in text and "no labels" in text, text
+    assert "calibrated on 1 images, evaluated on 2 images" in text, text
+    assert outside == [], outside[:5]

@@ -243,3 +243,36 @@ def test_fold_with_unquantized_consumer_weights_calibrates_and_reloads_bit_exact
     x = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
         assert torch.equal(back(x), qm(x))
+
+
+def test_cancel_stops_calibration_at_the_next_site_and_evaluation_at_the_next_batch(bundled):
+    """The service's Run: a cancel requested during calibration ends it at the next site (no
+    more sites are calibrated); during evaluation, at the next batch."""
+    from vizq.errors import Cancelled
+    from vizq.progress import Run
+    from vizq.ptq import service
+
+    steps = []
+    stop = {"at": None}
+
+    def on_step(step):
+        steps.append(step)
+        if stop["at"] and step.phase == stop["at"][0] and step.done >= stop["at"][1]:
+            flag["cancel"] = True
+
+    flag = {"cancel": False}
+    run = Run(on_step=on_step, cancel=lambda: flag["cancel"])
+    stop["at"] = ("calibrating", 5)
+    with pytest.raises(Cancelled):
+        service.evaluate(bundled, QuantConfig(method="repq", wbits=4, abits=4), "bundled", 200, run)
+    cal = [s for s in steps if s.phase == "calibrating"]
+    assert cal[-1].done == 5 and cal[-1].total > 20 and not any(s.phase == "evaluating" for s in steps)
+    steps.clear()
+    flag["cancel"] = False
+    stop["at"] = ("evaluating", 64)
+    with pytest.raises(Cancelled):
+        service.evaluate(bundled, QuantConfig(method="minmax", wbits=8, abits=8), "bundled", 400, run)
+    ev = [s for s in steps if s.phase == "evaluating"]
+    assert ev[-1].done == 64 and ev[-1].total == 400  # one batch of 64, then the cancel took effect
+    assert all(s.eta is None for s in ev[:1]) and ev[-1].eta is not None
+    assert "evaluating 64/400 images" in ev[-1].line() and ev[-1].line().count("ETA") == 1

@@ -344,7 +344,8 @@ def channel_variation(st: SiteStats) -> float:
 def powerlaw_tail(st: SiteStats, lo: float = 2.0**-12, hi: float = 0.5) -> dict[str, float]:
     """Fit log CCDF = -α·log x + c on the log2-binned histogram between ``lo`` and ``hi``.
 
-    Returns α (the tail exponent; larger = lighter tail), the fraction of probabilities above
+    Returns α (the tail exponent; larger = lighter tail), the fit's intercept ``log10_c`` (so
+    the drawn line is the fitted one), the fitted range, and the fraction of probabilities above
     0.5 and above 0.1 (bin-exact at 0.5; 0.1 falls in the [1/16, 1/8) bin, counted from 1/8).
     """
     if st.log_hist is None:
@@ -355,11 +356,13 @@ def powerlaw_tail(st: SiteStats, lo: float = 2.0**-12, hi: float = 0.5) -> dict[
     ccdf = torch.flip(torch.cumsum(torch.flip(counts[1:], [0]), 0), [0]) / total  # P(X >= lower edge i)
     x = edges[:-1]
     mask = (x >= lo) & (x <= hi) & (ccdf > 0)
+    fracs = {"frac_above_0.5": float(counts[-1] / total), "frac_above_0.125": float(counts[-3:].sum() / total),
+             "fit_lo": lo, "fit_hi": hi}
     if mask.sum() < 2:
-        return {"alpha": float("nan"), "frac_above_0.5": float(counts[-1] / total), "frac_above_0.125": float(counts[-3:].sum() / total)}
-    lx, ly = torch.log10(x[mask]), torch.log10(ccdf[mask])
+        return {"alpha": float("nan"), "log10_c": float("nan"), **fracs}
+    lx, ly = torch.log10(x[mask]).double(), torch.log10(ccdf[mask]).double()
     slope = float(((lx - lx.mean()) * (ly - ly.mean())).sum() / ((lx - lx.mean()) ** 2).sum())
-    return {"alpha": -slope, "frac_above_0.5": float(counts[-1] / total), "frac_above_0.125": float(counts[-3:].sum() / total)}
+    return {"alpha": -slope, "log10_c": float(ly.mean() - slope * lx.mean()), **fracs}
 
 
 def key_mass(st: SiteStats) -> torch.Tensor:

@@ -269,3 +269,12 @@ def resolve_images(loaded: Any, data: str | None = None, part: str = "eval") -> 
     if data and data != "bundled":
         return loaded.family.open(loaded, data)
     return loaded.family.samples(part)
+
+
+def as_seen(im: Image.Image, transform: Callable[[Any], torch.Tensor], mean: Sequence[float],
+            std: Sequence[float]) -> np.ndarray:
+    """The image exactly as the model sees it (its resize and centre crop), as uint8 HWC: what
+    an overlay on the patch grid must be drawn on, or patches and pixels do not line up."""
+    t = transform(to_rgb_like(im, len(mean)))
+    t = t * torch.tensor(std).view(-1, 1, 1) + torch.tensor(mean).view(-1, 1, 1)
+    return (t.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()

@@ -50,24 +50,26 @@ def softmax_log2_histogram(log_hist: torch.Tensor, heads: Sequence[int] | None =
     return fig, pd.DataFrame(rows)
 
 
-def ccdf_loglog(log_hist: torch.Tensor, alpha: float, title: str = "") -> tuple[Figure, pd.DataFrame]:
-    """P(p ≥ x) on log-log axes with the fitted power-law slope -α."""
+def ccdf_loglog(log_hist: torch.Tensor, tail: dict[str, float], title: str = "") -> tuple[Figure, pd.DataFrame]:
+    """P(p ≥ x) on log-log axes with the least-squares power law of ``powerlaw_tail`` drawn
+    over the range it was fitted on, and only where it is a probability (≤ 1)."""
     counts = log_hist.sum(dim=(0, 1)).double()
     total = float(counts.sum())
-    x = log2_bin_edges()[:-1].numpy()
+    x = log2_bin_edges()[:-1].double().numpy()
     ccdf = (torch.flip(torch.cumsum(torch.flip(counts[1:], [0]), 0), [0]) / total).numpy()
     keep = ccdf > 0
     df = pd.DataFrame({"x": x[keep], "ccdf": ccdf[keep]})
     fig = go.Figure(go.Scatter(x=df.x, y=df.ccdf, mode="lines+markers", name="measured CCDF"))
-    if math.isfinite(alpha):
-        ref = df[(df.x >= 2.0**-12) & (df.x <= 0.5)]
-        if len(ref):
-            x0, y0 = ref.x.iloc[len(ref) // 2], ref.ccdf.iloc[len(ref) // 2]
-            fit = y0 * (ref.x / x0) ** (-alpha)  # drawn over the fitted range only
-            fig.add_scatter(x=ref.x, y=fit, mode="lines", line={"dash": "dash"}, name=f"power law, α = {alpha:.2f}")
-            df["fit"] = (y0 * (df.x / x0) ** (-alpha)).where((df.x >= 2.0**-12) & (df.x <= 0.5))
+    alpha, c = tail.get("alpha", float("nan")), tail.get("log10_c", float("nan"))
+    if math.isfinite(alpha) and math.isfinite(c):
+        fit = 10.0 ** c * df.x ** (-alpha)
+        df["fit"] = fit.where((df.x >= tail["fit_lo"]) & (df.x <= tail["fit_hi"]) & (fit <= 1.0))
+        ref = df[df.fit.notna()]
+        fig.add_scatter(x=ref.x, y=ref.fit, mode="lines", line={"dash": "dash"},
+                        name=f"power-law fit, α = {alpha:.2f} (p in [2^{math.log2(tail['fit_lo']):.0f}, "
+                             f"2^{math.log2(tail['fit_hi']):.0f}])")
     fig.update_xaxes(type="log")
-    fig.update_yaxes(type="log")
+    fig.update_yaxes(type="log", range=[math.log10(max(float(df.ccdf.min()), 1e-12)) - 0.2, 0.05])
     return _layout(fig, title or "CCDF of attention probabilities", "probability p (log)", "P(P ≥ p) (log)"), df
 
 
@@ -168,16 +170,25 @@ def levels_over_histogram(x: torch.Tensor, levels: dict[str, torch.Tensor], log_
     fig = go.Figure(go.Bar(x=centers, y=np.maximum(counts, 0), width=np.diff(edges), name="values", marker_color="#bbb"))
     top = max(int(counts.max()), 1)
     rows = [{"series": "histogram", "x": float(c), "count": int(n)} for c, n in zip(centers, counts)]
+    # The axis spans the data (a decade of margin on a log axis), never a level far outside it:
+    # a log grid's smallest levels (1e-18 …) would squeeze the whole histogram into one pixel.
+    lo_ax, hi_ax = float(edges[0]), float(edges[-1])
+    lo_ax, hi_ax = (lo_ax / 10, hi_ax * 2) if log_x else (lo_ax - 0.05 * (hi_ax - lo_ax), hi_ax + 0.05 * (hi_ax - lo_ax))
     for i, (name, lv) in enumerate(levels.items()):
         lvv = np.unique(lv.detach().double().flatten().numpy())
         if log_x:
             lvv = lvv[lvv > 0]
+        inside = lvv[(lvv >= lo_ax) & (lvv <= hi_ax)]
+        off = lvv.size - inside.size
         y = top * 2.0 ** (1 + 0.7 * i)  # one row per quantizer (log axis: multiplicative spacing)
-        fig.add_scatter(x=lvv, y=np.full(lvv.size, y), mode="markers", name=f"{name} ({lvv.size} levels)",
+        fig.add_scatter(x=inside, y=np.full(inside.size, y), mode="markers",
+                        name=f"{name} ({lvv.size} levels" + (f", {off} outside the data's range)" if off else ")"),
                         marker={"symbol": "line-ns-open", "size": 14, "color": PALETTE[i % len(PALETTE)], "line": {"width": 2}})
         rows += [{"series": name, "x": float(level), "count": None} for level in lvv]
     if log_x:
-        fig.update_xaxes(type="log")
+        fig.update_xaxes(type="log", range=[math.log10(lo_ax), math.log10(hi_ax)])
+    else:
+        fig.update_xaxes(range=[lo_ax, hi_ax])
     fig.update_yaxes(type="log")
     return _layout(fig, title or "histogram with quantization levels", "value" + (" (log)" if log_x else ""),
                    "count (log); level ticks above"), pd.DataFrame(rows)

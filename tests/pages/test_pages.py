@@ -35,6 +35,17 @@ def app(tmp_path, monkeypatch):
     st.cache_resource.clear()
 
 
+def _fresh(**state) -> AppTest:
+    """A new session whose first run (through the router, sidebar included) starts from ``state``
+    (AppTest draws the sidebar on a session's first run only; later runs execute the page alone)."""
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    for k, v in state.items():
+        at.session_state[k] = v
+    at.run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    return at
+
+
 def _goto(at: AppTest, page: str) -> AppTest:
     at.switch_page(page)
     at.run()
@@ -67,7 +78,10 @@ def test_lab_rerenders_when_bits_or_quantizers_change(app):
     assert (second["bits"] == 6).any() and not first["mse"].equals(second["mse"])
     at.multiselect[0].set_value(["uniform", "fp4_e2m1"]).run()
     assert not at.exception
-    assert len(at.dataframe[0].value) == 2
+    table = at.dataframe[0].value
+    assert len(table) == 2
+    assert list(table.compared_at) == ["slider width", "own width (4 bits)"]  # never ranked against the 6-bit grid
+    assert any("run at their own width (4 bits), not at the slider's 6" in c.value for c in at.caption)
     assert any("updated in" in c.value for c in at.caption)
 
 
@@ -103,7 +117,15 @@ def test_evaluation_runs_in_background_and_lands_in_history(app):
     assert load_history()[-1]["method"] == "repq" and load_history()[-1]["eval_images"] == 100
 
 
-def test_export_download_loads_back_bit_exactly(app, tmp_path):
+def _wait(at: AppTest, done, timeout: float = 120) -> AppTest:
+    deadline = time.time() + timeout
+    while time.time() < deadline and not done(at):
+        time.sleep(1)
+        at.run()
+    return at
+
+
+def test_export_zip_reloads_as_it_is_bit_exactly(app, tmp_path):
     import torch
 
     from vizq.models import load_model
@@ -114,17 +136,101 @@ def test_export_download_loads_back_bit_exactly(app, tmp_path):
 
     at = _goto(app, "pages/6_export.py")
     next(b for b in at.button if b.label.startswith("Calibrate")).click().run()
-    assert not at.exception
-    data = at.session_state["export_zip"]
-    zipfile.ZipFile(io.BytesIO(data)).extractall(tmp_path)
+    at = _wait(at, lambda at: "export_archive" in at.session_state)
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    zpath = tmp_path / "vizq-export.zip"
+    zpath.write_bytes(at.session_state["export_archive"].zip)  # as the browser downloads it
     lm = load_model("vizq-vit-tiny")
-    back = load_export(tmp_path / "vizq-export", lm)
+    back = load_export(zpath, lm)  # the zip itself, not unpacked by hand
+    zipfile.ZipFile(zpath).extractall(tmp_path)
     cfg = QuantConfig.load(tmp_path / "vizq-export")
-    calib, _ = calibration_batch(lm, cfg)
-    fresh = QuantizedModel(lm, cfg).calibrate(calib)
-    x = torch.randn(4, 3, 32, 32)
-    with torch.no_grad():
-        assert torch.equal(back(x), fresh(x))
+    calib, _ = calibration_batch(lm, cfg, for_eval=False)
+    with QuantizedModel(lm, cfg) as fresh:
+        fresh.calibrate(calib)
+        x = torch.randn(4, 3, 32, 32)
+        with torch.no_grad():
+            assert torch.equal(back(x), fresh(x))
+    man = __import__("json").loads((tmp_path / "vizq-export" / "manifest.json").read_text())
+    assert man["data"]["source"] == "bundled" and len(man["calibration_image_ids"]) == 32
+
+
+def test_uploads_are_the_data_evaluate_uses_and_history_records_it(app):
+    """Symptom 1: with three uploaded photographs, Evaluate calibrates and evaluates on them
+    (1 + 2, disjoint), says so, and the history record names the upload."""
+    import numpy as np
+    from PIL import Image
+
+    from vizq.runs import load_history
+
+    files = []
+    for i in range(3):
+        buf = io.BytesIO()
+        Image.fromarray(np.random.default_rng(i).integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(buf, "PNG")
+        files.append((f"p{i}.png", buf.getvalue()))
+    at = _fresh(data_mode="upload", uploads=files)
+    assert any("3 uploaded file(s)" in m.value for m in at.sidebar.markdown)
+    at = _goto(at, "pages/5_evaluate.py")
+    assert any("3 uploaded file(s)" in m.value for m in at.markdown)  # what the page says it uses
+    next(b for b in at.button if b.label == "Run evaluation").click().run()
+    at = _wait(at, lambda at: any("agreement" in s.value for s in at.success))
+    text = next(s.value for s in at.success if "agreement" in s.value)
+    assert "calibrated on 1 images, evaluated on 2 images (3 uploaded file(s))" in text and "no labels" in text, text
+    rec = load_history()[-1]
+    assert rec["data"]["source"] == "upload" and rec["data"]["files"] == ["p0.png", "p1.png", "p2.png"]
+    assert rec["calib_images"] == 1 and rec["eval_images"] == 2
+
+
+def test_settings_survive_leaving_the_page_and_are_shared_with_export(app):
+    at = _goto(app, "pages/5_evaluate.py")
+    at.selectbox(key="cfg-method").set_value("minmax").run()
+    at.selectbox(key="cfg-w").set_value(8).run()
+    at.number_input(key="eval-n").set_value(120).run()
+    at = _goto(at, "pages/2_softmax.py")
+    at = _goto(at, "pages/5_evaluate.py")
+    assert at.selectbox(key="cfg-method").value == "minmax" and at.selectbox(key="cfg-w").value == 8
+    assert at.number_input(key="eval-n").value == 120
+    at = _goto(at, "pages/6_export.py")  # Export shows the configuration chosen on Evaluate
+    assert at.selectbox(key="cfg-method").value == "minmax" and at.selectbox(key="cfg-w").value == 8
+
+
+def test_a_cancel_removes_the_previous_runs_message(app):
+    """Symptom 3: after a finished run, a new run that is cancelled shows "Cancelled", not the
+    old run's success box. The Cancel press is simulated from another thread while the page
+    polls (AppTest blocks in the page's polling loop, as a browser session would)."""
+    import gc
+    import threading
+
+    from vizq.jobs import Job
+
+    at = _goto(app, "pages/5_evaluate.py")
+    at.number_input(key="eval-n").set_value(50).run()
+    next(b for b in at.button if b.label == "Run evaluation").click().run()
+    at = _wait(at, lambda at: any("agreement" in s.value for s in at.success))
+    assert any("agreement" in s.value for s in at.success)
+    at.number_input(key="eval-n").set_value(400).run()
+
+    def press_cancel() -> None:
+        for o in gc.get_objects():
+            if isinstance(o, Job) and not o.finished:
+                o.cancel()
+
+    timer = threading.Timer(1.5, press_cancel)
+    timer.start()
+    next(b for b in at.button if b.label == "Run evaluation").click().run()
+    timer.join()
+    at = _wait(at, lambda at: any("Cancelled" in w.value for w in at.warning))
+    assert any("Cancelled" in w.value for w in at.warning)
+    assert not any("agreement" in s.value for s in at.success)  # the old result is gone with the new run
+
+
+def test_text_model_pages_speak_of_sentences(app):
+    at = _fresh(model_mode="text", model_spec="minilm-l6", n_images=16)
+    labels = {m.label: m.value for m in at.metric}
+    assert "patch grid" not in labels and "0×0×0" not in labels.values()
+    assert labels["input"].startswith("token ids")
+    assert any("16 sentences" in s.value for s in at.success)
+    assert any("minilm-l6" in m.value for m in at.sidebar.markdown)
+    assert any("bundled sentences" in m.value for m in at.sidebar.markdown)
 
 
 def test_every_page_accepts_the_text_model(app):

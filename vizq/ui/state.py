@@ -110,17 +110,24 @@ def current_images(lm: Any, part: str = "eval") -> Any:
         return current_data().open(lm, part)
 
 
+def units(lm: Any) -> str:
+    """What the model's samples are called on the page."""
+    return "sentences" if getattr(lm.info, "modality", "image") == "text" else "images"
+
+
 def kept(widget: Callable[..., Any], label: str, key: str, default: Any, **kw: Any) -> Any:
     """A keyed widget whose value survives leaving the page (Streamlit drops the state of
-    widgets that are not drawn): the value is kept per session under ``_kept`` and put back
-    before the widget is drawn again."""
+    widgets that are not drawn, and a widget on another page with the same key starts afresh).
+    The value lives per session in ``_kept``: a change is stored by the widget's ``on_change``
+    (before the rerun), and the stored value is put back before the widget is drawn."""
     s = st.session_state
     store = s.setdefault("_kept", {})
-    if key not in s:
-        s[key] = store.get(key, default)
-    value = widget(label, key=key, **kw)
-    store[key] = value
-    return value
+    s[key] = store.get(key, default)
+
+    def remember() -> None:
+        store[key] = s[key]
+
+    return widget(label, key=key, on_change=remember, **kw)
 
 
 @st.cache_resource
