@@ -40,12 +40,23 @@ with st.expander("Options per quantizer"):
         except QuantizerError as e:
             unavailable.append(f"{name}: {e}")
 
-inp = lab_input(cap, site, lm.model)
+# Results are kept per (capture, site, quantizer, bits, options) for this session: a control
+# that changes one quantizer recomputes that one only.
+cache = st.session_state.setdefault("_lab_cache", {})
+inp_key = (id(cap), site)
+if cache.get("input", (None,))[0] != inp_key:
+    cache.clear()
+    cache["input"] = (inp_key, lab_input(cap, site, lm.model))
+inp = cache["input"][1]
 t0 = time.perf_counter()
 rows, levels, outs = [], {}, {}
 with guard("Running the quantizers"):
     for name, b, opts in choices:
-        row, q, xq = run_quantizer(inp, name, b, opts)
+        key = (name, b, tuple(sorted(opts.items())))
+        if key not in cache:
+            cache[key] = run_quantizer(inp, name, b, opts)
+        row, q, xq = cache[key]
+        row = dict(row)
         label = f"{name} {q.bits}b" + (f" ({','.join(f'{k}={v}' for k, v in opts.items())})" if opts else "")
         row["label"] = label
         rows.append(row)
@@ -54,7 +65,8 @@ with guard("Running the quantizers"):
         outs[label] = xq
 elapsed = 1000 * (time.perf_counter() - t0)
 st.caption(f"{inp.kind} tensor {tuple(inp.x.shape)} from {cap.num_images} captured {units(lm)} · "
-           f"updated in **{elapsed:.0f} ms** for {len(choices)} quantizers"
+           f"updated in **{elapsed:.0f} ms** for {len(choices)} quantizers (results kept per quantizer; "
+           f"the ms column is each one's own calibration + quantization time)"
            + (" · per-group levels: the first group's are drawn" if any(o for _, _, o in choices) else ""))
 if not rows:
     st.info("Choose at least one quantizer.")

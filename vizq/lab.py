@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from . import metrics
 from .quant import QuantizerError, get_quantizer
+from .quant.step import STEP_FAMILIES, StepFunction
 
 Tensor = torch.Tensor
 
@@ -27,6 +29,21 @@ class LabInput:
     x: Tensor
     v: Tensor | None = None  # values, for post-Softmax
     weight: Tensor | None = None  # next Linear's weight, for post-LN / post-GELU
+
+    @cached_property
+    def reference(self) -> dict[str, Tensor]:
+        """What every quantizer's metrics compare against, computed once per input (the lab
+        runs six quantizers on the same tensor: the float side need not be redone six times)."""
+        ref: dict[str, Tensor] = {"x": self.x.float()}
+        if self.kind == "post_softmax":
+            p = ref["x"].clamp_min(0)
+            p = p / p.sum(-1, keepdim=True).clamp_min(metrics.EPS)
+            ref["p"], ref["logp"] = p, torch.log(p.clamp_min(metrics.EPS))
+        if self.v is not None:
+            ref["pv"] = ref["x"] @ self.v.float()
+        if self.weight is not None and self.x.shape[-1] == self.weight.shape[1]:
+            ref["xw"] = ref["x"].reshape(-1, self.x.shape[-1]) @ self.weight.float().T
+        return ref
 
     @property
     def task_metric(self) -> str | None:
@@ -88,16 +105,20 @@ def run_quantizer(inp: LabInput, name: str, bits: int | None, options: dict[str,
     q = get_quantizer(name, bits, **options)
     t0 = time.perf_counter()
     q.calibrate(inp.x)
-    xq = q.fake_quant(inp.x)
+    step = StepFunction.build(q) if q.family in STEP_FAMILIES else None  # bit-exact, a lookup per value
+    xq = step(inp.x) if step is not None else q.fake_quant(inp.x)
     ms = 1000 * (time.perf_counter() - t0)
     row: dict[str, Any] = {"quantizer": name, "bits": q.bits,
                            "options": ",".join(f"{k}={v}" for k, v in options.items()) or "-"}
-    row.update(metrics.tensor_metrics(inp.x, xq, probabilities=inp.kind == "post_softmax"))
-    if inp.v is not None:
-        row["attn_output_error"] = metrics.attention_output_error(inp.x, xq, inp.v)
-    if inp.weight is not None and inp.x.shape[-1] == inp.weight.shape[1]:
-        row["linear_output_error"] = metrics.linear_output_error(inp.x.reshape(-1, inp.x.shape[-1]),
-                                                                 xq.reshape(-1, inp.x.shape[-1]), inp.weight)
+    ref = inp.reference
+    row.update(metrics.tensor_metrics(ref["x"], xq))
+    if "p" in ref:
+        row["kl"] = metrics.kl_to(ref["p"], ref["logp"], xq)
+    if "pv" in ref:
+        row["attn_output_error"] = metrics.relative_error(ref["pv"], xq.float() @ inp.v.float())
+    if "xw" in ref:
+        row["linear_output_error"] = metrics.relative_error(
+            ref["xw"], xq.float().reshape(-1, inp.x.shape[-1]) @ inp.weight.float().T)
     row["ms"] = ms
     return row, q, xq
 

@@ -10,7 +10,7 @@ import math
 import torch
 
 Tensor = torch.Tensor
-_EPS = 1e-12
+EPS = _EPS = 1e-12
 
 
 def mse(x: Tensor, xq: Tensor) -> float:
@@ -43,10 +43,16 @@ def kl_rows(p: Tensor, pq: Tensor) -> float:
     quantized one is floored at 1e-12 (a zeroed probability costs a large but finite penalty).
     """
     p = p.float().clamp_min(0)
-    q = pq.float().clamp_min(0)
     p = p / p.sum(-1, keepdim=True).clamp_min(_EPS)
+    return kl_to(p, torch.log(p.clamp_min(_EPS)), pq)
+
+
+def kl_to(p: Tensor, logp: Tensor, pq: Tensor) -> float:
+    """:func:`kl_rows` against a reference already normalised (``p``) with its log: the lab
+    compares many quantizers with one reference and computes its side once."""
+    q = pq.float().clamp_min(0)
     q = q / q.sum(-1, keepdim=True).clamp_min(_EPS)
-    kl = torch.where(p > 0, p * (torch.log(p.clamp_min(_EPS)) - torch.log(q.clamp_min(_EPS))), torch.zeros_like(p))
+    kl = torch.where(p > 0, p * (logp - torch.log(q.clamp_min(_EPS))), 0.0)
     return float(kl.sum(-1).mean())
 
 

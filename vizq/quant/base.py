@@ -224,6 +224,21 @@ def search_sample(g: Tensor, n: int = SEARCH_SAMPLE) -> tuple[Tensor, Tensor | N
     m = g.shape[1]
     if m <= n:
         return g, None
+    key = (g.data_ptr(), tuple(g.shape), tuple(g.stride()), g._version, g.dtype, n)
+    if _LAST_SAMPLE and _LAST_SAMPLE[0] == key:  # the lab's quantizers sample one tensor in turn
+        return _LAST_SAMPLE[1]
+    out = _tail_sample(g, n)
+    _LAST_SAMPLE[:] = [key, out]
+    return out
+
+
+#: (key, sample) of the last tensor sampled: the same tensor (same storage, shape, strides and
+#: in-place version counter) gives the same sample, so a second search on it skips the two topk.
+_LAST_SAMPLE: list[Any] = []
+
+
+def _tail_sample(g: Tensor, n: int) -> tuple[Tensor, Tensor | None]:
+    m = g.shape[1]
     k = TAIL_KEEP
     lo = g.topk(k, 1, largest=False).values
     hi = g.topk(k, 1, largest=True).values
