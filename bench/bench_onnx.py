@@ -73,7 +73,7 @@ def main() -> None:
     size = lm.info.input_size[-1]
     graphs = {"ORT fp32": fp32_graph(lm.model.eval(), size)}
     for w, b in ((8, 8), (4, 4)):
-        dep = prepare(lm, QuantConfig(method="minmax", wbits=w, abits=b, calibration={"images": 8}), data, check_images=0)
+        dep = prepare(lm, QuantConfig(preset="minmax", wbits=w, abits=b, calibration={"images": 8}), data, check_images=0)
         graphs[f"ORT QDQ W{w}A{b}"] = dep.graph.model
     for name, g in graphs.items():
         ops = fused_ops(g, a.threads)

@@ -50,7 +50,7 @@ def main() -> None:
     print(f"{'method':<8} {'calibrate s':>12} {'FP img/s':>9} {'q img/s':>9} {'q/FP':>6}")
     for m in a.methods.split(","):
         t0 = time.perf_counter()
-        qm = QuantizedModel(lm, QuantConfig(method=m, wbits=4, abits=4)).calibrate(calib)
+        qm = QuantizedModel(lm, QuantConfig(preset=m, wbits=4, abits=4)).calibrate(calib)
         cal = time.perf_counter() - t0
         fp, q = side_by_side(lm.model, qm, x, a.iters)
         print(f"{m:<8} {cal:12.1f} {fp:9.1f} {q:9.1f} {q / fp:6.2f}")

@@ -29,7 +29,7 @@ def main() -> None:
     fp = None
     for m in a.methods.split(","):
         for b in (int(x) for x in a.bits.split(",")):  # highest precision last
-            res, qm = run_eval(lm, QuantConfig(method=m, wbits=b, abits=b), n_eval=a.images)
+            res, qm = run_eval(lm, QuantConfig(preset=m, wbits=b, abits=b), n_eval=a.images)
             qm.remove_hooks()
             fp = res.fp_top1
             wa = "FP formats" if PRESETS[m].fixed_format else f"{b}/{b}"

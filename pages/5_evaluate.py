@@ -50,7 +50,7 @@ def summary(rec):
 
 def on_done(out):
     rec, res = out
-    s.eval_message = f"{rec['method']} W{rec['wbits']}A{rec['abits']}: " + summary(rec)
+    s.eval_message = f"{rec['preset']} W{rec['wbits']}A{rec['abits']}: " + summary(rec)
     s.last_sqnr = res.site_sqnr_db
 
 
@@ -73,7 +73,7 @@ st.caption("Only runs on the data shown above; runs on other data are kept but n
 if hist:
     metric = st.radio("Metric", ["q_top1", "agreement", "kl"], horizontal=True)
     chart(*plots.accuracy_vs_bits(hist, metric), "history-chart")
-    cols = ["time", "method", "wbits", "abits", "calib_images", "eval_images", "fp_top1", "q_top1", "agreement", "kl",
+    cols = ["time", "preset", "wbits", "abits", "calib_images", "eval_images", "fp_top1", "q_top1", "agreement", "kl",
             "seconds_calibrate", "seconds_eval"]
     table = pd.DataFrame(hist)
     extra = pd.json_normalize(table.pop("metrics")) if "metrics" in table else pd.DataFrame()

@@ -132,6 +132,6 @@ if s.get("import_result"):
     extra = ", ".join(f"{k} {v:.3f}" for k, v in r.get("metrics", {}).items())
     top1 = f"top-1 {r['q_top1']:.2f}%" if r.get("q_top1") is not None else "no labels (agreement only)"
     origin = "reloaded export" if not r["calib_images"] else f"calibrated on {r['calib_images']}"
-    st.success(f"{r['method']} W{r['wbits']}A{r['abits']} ({origin}), evaluated on {r['eval_images']}: {top1}, "
+    st.success(f"{r['preset']} W{r['wbits']}A{r['abits']} ({origin}), evaluated on {r['eval_images']}: {top1}, "
                f"agreement {r['agreement']:.2f}%" + (f", KL {r['kl']:.4f}" if r.get("kl") is not None else "")
                + (f", {extra}" if extra else ""))

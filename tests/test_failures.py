@@ -45,7 +45,7 @@ def one_line_error(code: int, err: str, *words: str) -> None:
 
 @pytest.fixture(scope="module")
 def calibrated(bundled):
-    cfg = QuantConfig(method="minmax", wbits=8, abits=8, calibration={"images": 8, "seed": 0, "batch_size": 8})
+    cfg = QuantConfig(preset="minmax", wbits=8, abits=8, calibration={"images": 8, "seed": 0, "batch_size": 8})
     from vizq.ptq.evaluate import calibrate
 
     return calibrate(bundled, cfg).qmodel
@@ -56,7 +56,7 @@ def test_export_refuses_a_folder_it_did_not_write(tmp_path, capsys):
     out = tmp_path / "mine"
     (out / "sub").mkdir(parents=True)
     (out / "precious.txt").write_text("keep me")
-    code, _, err = cli(capsys, "export", "--method", "minmax", *FAST, "--out", str(out))
+    code, _, err = cli(capsys, "export", "--preset", "minmax", *FAST, "--out", str(out))
     one_line_error(code, err, "not a vizq export", "--force")
     assert (out / "precious.txt").read_text() == "keep me" and (out / "sub").is_dir()
 
@@ -64,9 +64,9 @@ def test_export_refuses_a_folder_it_did_not_write(tmp_path, capsys):
 def test_export_refuses_a_file_and_a_path_under_a_file(tmp_path, capsys):
     f = tmp_path / "notes.txt"
     f.write_text("keep me")
-    code, _, err = cli(capsys, "export", "--method", "minmax", *FAST, "--out", str(f))
+    code, _, err = cli(capsys, "export", "--preset", "minmax", *FAST, "--out", str(f))
     one_line_error(code, err, "is a file")
-    code, _, err = cli(capsys, "export", "--method", "minmax", *FAST, "--out", str(f / "exp"))
+    code, _, err = cli(capsys, "export", "--preset", "minmax", *FAST, "--out", str(f / "exp"))
     one_line_error(code, err, "is a file")
     assert f.read_text() == "keep me"
 
@@ -102,7 +102,7 @@ from vizq.ptq.config import QuantConfig
 from vizq.ptq.evaluate import calibrate
 from vizq.ptq.export import export
 lm = load_model("vizq-vit-tiny")
-qm = calibrate(lm, QuantConfig(method="minmax", wbits=4, abits=4, calibration={{"images": 8, "seed": 1, "batch_size": 8}})).qmodel
+qm = calibrate(lm, QuantConfig(preset="minmax", wbits=4, abits=4, calibration={{"images": 8, "seed": 1, "batch_size": 8}})).qmodel
 atomic._exchange = lambda a, b: False
 real = os.replace
 calls = []
@@ -153,7 +153,7 @@ def test_unwritable_destination_fails_before_calibration(capsys):
     except OSError:
         pass
     t = time.time()
-    code, _, err = cli(capsys, "export", "--method", "repq", "--out", "/sys/vizq-export")
+    code, _, err = cli(capsys, "export", "--preset", "repq", "--out", "/sys/vizq-export")
     one_line_error(code, err, "/sys", "permission denied")
     assert time.time() - t < 5  # refused up front, not after calibrating
 
@@ -179,7 +179,7 @@ sys.exit(main(["capture", "--images", "8", "--out", {str(out)!r}]))
 
 def test_ctrl_c_at_any_moment_exits_130_without_traceback(tmp_path):
     for delay in (0.3, 4.0):  # while importing torch, and while working
-        p = subprocess.Popen([sys.executable, "-m", "vizq", "eval", "--method", "repq", "--images", "1000",
+        p = subprocess.Popen([sys.executable, "-m", "vizq", "eval", "--preset", "repq", "--images", "1000",
                               "--json", str(tmp_path / "r.json")], cwd=ROOT, stderr=subprocess.PIPE, text=True)
         time.sleep(delay)
         p.send_signal(signal.SIGINT)
@@ -204,7 +204,7 @@ def test_ctrl_c_at_any_moment_exits_130_without_traceback(tmp_path):
     (["eval", "--checkpoint", "w.safetensors"], ["takes no checkpoint"]),
     (["eval", "--override", "blocks.*.attn.softmx=log2"], ["matches no site", "blocks.0.attn.softmax"]),
     (["eval", "--override", "post_ln=uniform:granularity=head"], ["granularity='head'", "post_ln"]),
-    (["eval", "--method", "nope"], ["invalid choice"]),
+    (["eval", "--preset", "nope"], ["invalid choice"]),
     (["sweep", "--methods", "minmax", "--bits", "4", "--out", "/tmp"], ["W/A pairs"]),
 ])
 def test_bad_arguments_are_one_clear_line(capsys, argv, words):
@@ -247,7 +247,7 @@ def test_a_huge_config_is_refused_before_parsing(tmp_path):
 
 
 def test_granularity_misfit_fails_before_calibration(bundled):
-    cfg = QuantConfig(method="minmax", overrides={"post_gelu": {"options": {"granularity": "out_channel"}}})
+    cfg = QuantConfig(preset="minmax", overrides={"post_gelu": {"options": {"granularity": "out_channel"}}})
     with pytest.raises(ConfigError, match="granularity='out_channel' cannot apply"):
         QuantizedModel(bundled, cfg)
 
@@ -268,13 +268,13 @@ def photo_folder(tmp_path):
 
 
 def test_eval_and_export_name_the_files_they_skipped(photo_folder, tmp_path, capsys):
-    code, out, err = cli(capsys, "eval", "--model", "vizq-vit-tiny", "--data", str(photo_folder), "--method", "minmax",
+    code, out, err = cli(capsys, "eval", "--model", "vizq-vit-tiny", "--data", str(photo_folder), "--preset", "minmax",
                          "--calib", "6", "--images", "20", "--json", str(tmp_path / "r.json"))
     assert code == 0, err
     assert "skipped 2 unreadable file(s)" in out and "broken.jpg" in out and "bomb.png" in out
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["skipped_images"] == 2 and r["calib_images"] + r["eval_images"] == 12
-    code, out, err = cli(capsys, "export", "--model", "vizq-vit-tiny", "--data", str(photo_folder), "--method", "minmax",
+    code, out, err = cli(capsys, "export", "--model", "vizq-vit-tiny", "--data", str(photo_folder), "--preset", "minmax",
                          "--calib", "14", "--out", str(tmp_path / "exp"))
     assert code == 0, err
     man = json.loads((tmp_path / "exp" / "manifest.json").read_text())

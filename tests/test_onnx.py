@@ -24,7 +24,7 @@ def _ops(model: bytes) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def w4a4(bundled):
-    return prepare(bundled, QuantConfig(method="minmax", wbits=4, abits=4), check_images=64)
+    return prepare(bundled, QuantConfig(preset="minmax", wbits=4, abits=4), check_images=64)
 
 
 def test_w4a4_graph_is_standard_qdq_with_4bit_types_and_matches_vizq(w4a4):
@@ -46,7 +46,7 @@ def test_w4a4_graph_is_standard_qdq_with_4bit_types_and_matches_vizq(w4a4):
 
 
 def test_six_bits_use_an_8bit_container_clipped_exactly(bundled):
-    dep = prepare(bundled, QuantConfig(method="minmax", wbits=6, abits=6), check_images=32)
+    dep = prepare(bundled, QuantConfig(preset="minmax", wbits=6, abits=6), check_images=32)
     ops = _ops(dep.graph.model)
     six = [e for e in dep.graph.entries if e.qdq.bits == 6]
     assert len(six) > 40 and all(e.qdq.container == 8 and e.qdq.clipped for e in six)
@@ -57,7 +57,7 @@ def test_six_bits_use_an_8bit_container_clipped_exactly(bundled):
 
 @pytest.mark.parametrize("choice", list(NonUniform))
 def test_non_uniform_sites_are_listed_and_resolved_by_the_choice(bundled, choice):
-    dep = prepare(bundled, QuantConfig(method="repq+", wbits=8, abits=8), choice=choice, check_images=32)
+    dep = prepare(bundled, QuantConfig(preset="repq+", wbits=8, abits=8), choice=choice, check_images=32)
     changed = {c["site"] for c in dep.changed}
     assert changed == {s.name for s in bundled.sites if s.kind == "post_softmax"}
     graph_sites = {e.site for e in dep.graph.entries}
@@ -97,10 +97,10 @@ def test_damaged_onnx_export_is_one_clear_error(bundled, tmp_path, w4a4, capsys)
 
 def test_cancelled_onnx_export_leaves_the_earlier_export_and_no_model_onnx(bundled, tmp_path):
     out = tmp_path / "exp"
-    assert main(["export", "--method", "minmax", "--wbits", "8", "--abits", "8", "--out", str(out)]) == 0
+    assert main(["export", "--preset", "minmax", "--wbits", "8", "--abits", "8", "--out", str(out)]) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(Cancelled):
-        dep = prepare(bundled, QuantConfig(method="minmax", wbits=4, abits=4), check_images=0)
+        dep = prepare(bundled, QuantConfig(preset="minmax", wbits=4, abits=4), check_images=0)
         calls = iter(range(10**6))
         check(bundled, dep, *eval_split(bundled, dep.deployed.qmodel.config, None, 64), batch_size=16,
               cancel=lambda: next(calls) >= 2)  # the user presses Cancel during the ORT check
@@ -119,7 +119,7 @@ def test_a_fractional_zero_point_is_rounded_and_named_as_the_first_difference(bu
     per site, and the check names that (not float noise) as where ORT and vizq part."""
     from vizq.ptq.deploy import first_difference
 
-    dep = prepare(bundled, QuantConfig(method="repq", wbits=4, abits=4), choice=NonUniform.FLOAT, check_images=16)
+    dep = prepare(bundled, QuantConfig(preset="repq", wbits=4, abits=4), choice=NonUniform.FLOAT, check_images=16)
     rounded = [r["site"] for r in dep.forms if "zero point rounded" in r["notes"]]
     assert rounded and all(r.endswith(("norm1", "norm2")) for r in rounded)
     assert "zero point rounded" in first_difference(dep.parity["sites"])

@@ -39,7 +39,7 @@ def test_levels_axis_spans_the_data_not_a_log_grids_smallest_level(bundled_captu
 
 
 def test_history_chart_never_joins_different_weight_bits_or_data():
-    runs = [{"method": "repq", "wbits": w, "abits": a, "q_top1": 50.0 + a, "agreement": 90.0, "kl": 0.1,
+    runs = [{"preset": "repq", "wbits": w, "abits": a, "q_top1": 50.0 + a, "agreement": 90.0, "kl": 0.1,
              "fp_top1": 80.0, "data": {"key": key}}
             for w in (4, 8) for a in (4, 6, 8) for key in ("bundled", "folder:/x")]
     fig, _ = plots.accuracy_vs_bits(runs, "q_top1")

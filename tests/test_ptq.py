@@ -16,18 +16,18 @@ from vizq.capture import Cancelled, hook_count
 
 
 def test_config_round_trips_exactly_through_json_and_yaml():
-    cfg = QuantConfig(method="repq", wbits=6, abits=4,
+    cfg = QuantConfig(preset="repq", wbits=6, abits=4,
                       overrides={"blocks.*.attn.softmax": {"quantizer": "adalog", "bits": 4},
                                  "post_gelu": {"quantizer": "uniform", "options": {"method": "mse"}},
                                  "head:input": {"enabled": False}},
                       calibration={"images": 16, "seed": 7, "batch_size": 8})
     assert QuantConfig.from_text(cfg.to_json()) == cfg
     assert QuantConfig.from_text(cfg.to_yaml()) == cfg
-    assert json.loads(cfg.to_json())["version"] == 1
+    assert json.loads(cfg.to_json())["version"] == 2
 
 
 @pytest.mark.parametrize("bad, key", [
-    ({"method": "magic"}, "method"),
+    ({"preset": "magic"}, "preset"),
     ({"wbits": 1}, "wbits"),
     ({"abits": "4"}, "abits"),
     ({"overrides": {"post_ln": {"quantizer": "nope"}}}, "overrides['post_ln'].quantizer"),
@@ -48,7 +48,7 @@ def test_yaml_is_loaded_safely():
 
 
 def test_plan_follows_presets_and_overrides(bundled):
-    cfg = QuantConfig(method="repq", overrides={"blocks.1.attn.softmax": {"quantizer": "adalog"},
+    cfg = QuantConfig(preset="repq", overrides={"blocks.1.attn.softmax": {"quantizer": "adalog"},
                                                 "post_gelu": {"bits": 6}, "blocks.5.*": {"enabled": False}})
     p = plan(cfg, bundled.sites)
     assert p["blocks.0.attn.softmax"].quantizer == "logsqrt2"
@@ -66,7 +66,7 @@ def test_reparameterization_is_exact_in_floating_point(small_model):
     """Fold random per-channel parameters; no quantization: logits unchanged."""
     from vizq.ptq.reparam import apply_fold, fold_factors
 
-    qm = QuantizedModel(small_model, QuantConfig(method="repq"))
+    qm = QuantizedModel(small_model, QuantConfig(preset="repq"))
     qm.remove_hooks()
     x = random_images(small_model, 2)
     ref = small_model.model(x)
@@ -97,7 +97,7 @@ def test_folded_per_tensor_quantization_equals_per_channel(bundled):
     from vizq.ptq.reparam import apply_fold, fold_factors
 
     x = random_images(bundled, 8)
-    model = QuantizedModel(bundled, QuantConfig(method="minmax"))
+    model = QuantizedModel(bundled, QuantConfig(preset="minmax"))
     model.remove_hooks()
     norm, qkv = model.model.blocks[2].norm1, model.model.blocks[2].attn.qkv
     h = model.model.blocks[2]
@@ -120,7 +120,7 @@ def test_folded_per_tensor_quantization_equals_per_channel(bundled):
 def test_every_preset_runs_on_deit_and_swin(small_model, method):
     x = random_images(small_model, 4)
     orig = {k: v.clone() for k, v in small_model.model.state_dict().items()}
-    qm = QuantizedModel(small_model, QuantConfig(method=method, wbits=4, abits=4)).calibrate(x)
+    qm = QuantizedModel(small_model, QuantConfig(preset=method, wbits=4, abits=4)).calibrate(x)
     with torch.no_grad():
         out, ref = qm(x), small_model.model(x)
     assert out.shape == ref.shape and torch.isfinite(out).all()
@@ -134,7 +134,7 @@ def test_every_preset_runs_on_deit_and_swin(small_model, method):
 def test_export_reload_is_bit_exact(tmp_path, small_model):
     x = random_images(small_model, 4)
     for method in ("repq", "adalog", "mxfp4"):
-        qm = QuantizedModel(small_model, QuantConfig(method=method)).calibrate(x)
+        qm = QuantizedModel(small_model, QuantConfig(preset=method)).calibrate(x)
         export(qm, tmp_path / method, ["img0", "img1"])
         back = load_export(tmp_path / method, small_model)
         with torch.no_grad():
@@ -149,18 +149,18 @@ def test_export_reload_is_bit_exact(tmp_path, small_model):
 
 
 def test_export_refuses_other_weights(tmp_path, bundled, small_model):
-    qm = QuantizedModel(small_model, QuantConfig(method="minmax")).calibrate(random_images(small_model, 2))
+    qm = QuantizedModel(small_model, QuantConfig(preset="minmax")).calibrate(random_images(small_model, 2))
     export(qm, tmp_path / "e")
     with pytest.raises(ConfigError, match="load the same weights"):
         load_export(tmp_path / "e", bundled)
 
 
 def test_bundled_repq_beats_minmax_at_w4a4_and_reload_reproduces(tmp_path, bundled):
-    cfg = QuantConfig(method="repq", wbits=4, abits=4)
+    cfg = QuantConfig(preset="repq", wbits=4, abits=4)
     rq, qm = run_eval(bundled, cfg, n_eval=300)
-    rm, _ = run_eval(bundled, QuantConfig(method="minmax", wbits=4, abits=4), n_eval=300)
+    rm, _ = run_eval(bundled, QuantConfig(preset="minmax", wbits=4, abits=4), n_eval=300)
     d = rq.to_dict()
-    for key in ("model", "method", "wbits", "abits", "calib_images", "eval_images", "fp_top1", "q_top1", "fp_top5",
+    for key in ("model", "preset", "wbits", "abits", "calib_images", "eval_images", "fp_top1", "q_top1", "fp_top5",
                 "q_top5", "agreement", "kl", "seconds_calibrate", "seconds_eval", "fake_quant_kernel"):
         assert key in d
     assert rq.eval_images == 300 and rq.calib_images == 32 and rq.fp_top1 >= 95
@@ -173,7 +173,7 @@ def test_bundled_repq_beats_minmax_at_w4a4_and_reload_reproduces(tmp_path, bundl
 
 
 def test_sensitivity_ranks_kinds(bundled):
-    rows = sensitivity(bundled, QuantConfig(method="minmax", wbits=3, abits=3), n_eval=100, by="kind")
+    rows = sensitivity(bundled, QuantConfig(preset="minmax", wbits=3, abits=3), n_eval=100, by="kind")
     assert [r["lost"] for r in rows] == sorted((r["lost"] for r in rows), reverse=True)
     assert {r["group"] for r in rows} >= {"post_ln", "post_softmax", "weight"}
 
@@ -181,7 +181,7 @@ def test_sensitivity_ranks_kinds(bundled):
 def test_cancel_leaves_no_partial_export(tmp_path, bundled):
     with pytest.raises(Cancelled):
         QuantizedModel(bundled, QuantConfig()).calibrate(random_images(bundled, 4), cancel=lambda: True)
-    qm = QuantizedModel(bundled, QuantConfig(method="minmax")).calibrate(random_images(bundled, 4))
+    qm = QuantizedModel(bundled, QuantConfig(preset="minmax")).calibrate(random_images(bundled, 4))
     export(qm, tmp_path / "good")
     before = (tmp_path / "good" / "params.safetensors").read_bytes()
 
@@ -219,8 +219,8 @@ def test_block_reconstruction_lowers_block_error_and_exports(tmp_path, bundled):
     from vizq.ptq.recon import _block_tensors
 
     x = random_images(bundled, 8)
-    base = QuantizedModel(bundled, QuantConfig(method="ias", wbits=3, abits=8)).calibrate(x)
-    rec = QuantizedModel(bundled, QuantConfig(method="ias", wbits=3, abits=8, recon_iters=30)).calibrate(x)
+    base = QuantizedModel(bundled, QuantConfig(preset="ias", wbits=3, abits=8)).calibrate(x)
+    rec = QuantizedModel(bundled, QuantConfig(preset="ias", wbits=3, abits=8, recon_iters=30)).calibrate(x)
     assert rec.recon_modules and all(m.startswith("blocks.") for m in rec.recon_modules)
     target = _block_tensors(bundled.model, "blocks.0", x, inputs=False)[0]
     err = [float((_block_tensors(q.model, "blocks.0", x, inputs=False)[0] - target).pow(2).mean()) for q in (base, rec)]
@@ -236,7 +236,7 @@ def test_fold_with_unquantized_consumer_weights_calibrates_and_reloads_bit_exact
     from vizq.ptq.evaluate import calibrate
     from vizq.ptq.export import export, load_export
 
-    cfg = QuantConfig(method="repq", wbits=4, abits=4, overrides={"weight": {"enabled": False}})
+    cfg = QuantConfig(preset="repq", wbits=4, abits=4, overrides={"weight": {"enabled": False}})
     qm = calibrate(bundled, cfg).qmodel
     assert qm.folds and not qm.weights
     back = load_export(export(qm, tmp_path / "exp"), bundled)
@@ -264,15 +264,43 @@ def test_cancel_stops_calibration_at_the_next_site_and_evaluation_at_the_next_ba
     run = Run(on_step=on_step, cancel=lambda: flag["cancel"])
     stop["at"] = ("calibrating", 5)
     with pytest.raises(Cancelled):
-        service.evaluate(bundled, QuantConfig(method="repq", wbits=4, abits=4), "bundled", 200, run)
+        service.evaluate(bundled, QuantConfig(preset="repq", wbits=4, abits=4), "bundled", 200, run)
     cal = [s for s in steps if s.phase == "calibrating"]
     assert cal[-1].done == 5 and cal[-1].total > 20 and not any(s.phase == "evaluating" for s in steps)
     steps.clear()
     flag["cancel"] = False
     stop["at"] = ("evaluating", 64)
     with pytest.raises(Cancelled):
-        service.evaluate(bundled, QuantConfig(method="minmax", wbits=8, abits=8), "bundled", 400, run)
+        service.evaluate(bundled, QuantConfig(preset="minmax", wbits=8, abits=8), "bundled", 400, run)
     ev = [s for s in steps if s.phase == "evaluating"]
     assert ev[-1].done == 64 and ev[-1].total == 400  # one batch of 64, then the cancel took effect
     assert all(s.eta is None for s in ev[:1]) and ev[-1].eta is not None
     assert "evaluating 64/400 images" in ev[-1].line() and ev[-1].line().count("ETA") == 1
+
+
+def test_version_1_configs_and_exports_still_load(tmp_path, bundled):
+    """Config version 2 renamed ``method`` to ``preset``; a version-1 file (and an export
+    written before the rename) loads with the same meaning."""
+    v1 = {"version": 1, "method": "repq", "wbits": 6, "abits": 8, "overrides": {}, "recon_iters": 0,
+          "calibration": {"images": 8, "seed": 3, "batch_size": 8}}
+    cfg = QuantConfig.from_dict(v1)
+    assert cfg.preset == "repq" and cfg.wbits == 6 and cfg.version == 2 and "method" not in cfg.to_dict()
+    assert QuantConfig.from_text("method: adalog\nwbits: 4\n").preset == "adalog"  # no version: the first one
+    with pytest.raises(ConfigError, match="unknown key 'method'"):
+        QuantConfig.from_dict({**cfg.to_dict(), "method": "repq"})  # version 2 has no such key
+    out = export(QuantizedModel(bundled, cfg).calibrate(random_images(bundled, 8)), tmp_path / "exp")
+    (out / "config.json").write_text(json.dumps(v1))  # as an export from before the rename
+    again = load_export(out, bundled)
+    assert again.config.preset == "repq"
+    from vizq.runs import _current
+
+    assert _current({"method": "repq", "wbits": 4})["preset"] == "repq"
+
+
+def test_one_bits_rule_a_preset_never_clamps_silently(bundled):
+    """repq's log√2 softmax supports 2..8 bits: W10A10 is refused with the range named (it was
+    clamped to 8 without a word); fixed-width formats keep their own width."""
+    with pytest.raises(ConfigError, match="logsqrt2 supports 2..8 bits, not 10"):
+        QuantizedModel(bundled, QuantConfig(preset="repq", wbits=10, abits=10))
+    with QuantizedModel(bundled, QuantConfig(preset="nvfp4", wbits=8, abits=8)) as qm:
+        assert {a.q.bits for a in qm.acts.values()} == {4}

@@ -122,7 +122,7 @@ def test_faithful_repq_calibration_does_not_depend_on_any_seed(vit, photos):
     states = []
     for seed in (0, 1234):
         torch.manual_seed(seed)
-        qm = QuantizedModel(vit, QuantConfig(method="repq", wbits=4, abits=4)).calibrate(calib)
+        qm = QuantizedModel(vit, QuantConfig(preset="repq", wbits=4, abits=4)).calibrate(calib)
         states.append({k: aq.q.state["scale"].clone() for k, aq in qm.acts.items()})
         qm.remove_hooks()
     assert states[0].keys() == states[1].keys()

@@ -77,7 +77,7 @@ def test_folding_into_every_consumer_is_exact(minilm, short_texts):
     into the quantizers' input transform; without quantization the output is unchanged."""
     from vizq.capture import site_hooks
 
-    cfg = QuantConfig(method="repq", wbits=8, abits=8, overrides={"post_softmax": {"quantizer": "uniform"}},
+    cfg = QuantConfig(preset="repq", wbits=8, abits=8, overrides={"post_softmax": {"quantizer": "uniform"}},
                       calibration={"images": 8, "seed": 0, "batch_size": 8})
     calib, _ = calibration_batch(minilm, cfg, None)
     qm = QuantizedModel(minilm, cfg).calibrate(calib)
@@ -98,7 +98,7 @@ def test_folding_into_every_consumer_is_exact(minilm, short_texts):
 
 @pytest.mark.parametrize("method", list(PRESETS))
 def test_every_preset_runs(minilm, method):
-    res, qm = run_eval(minilm, QuantConfig(method=method, wbits=8, abits=8, calibration={"images": 8, "seed": 0, "batch_size": 8}),
+    res, qm = run_eval(minilm, QuantConfig(preset=method, wbits=8, abits=8, calibration={"images": 8, "seed": 0, "batch_size": 8}),
                        n_eval=40)
     qm.remove_hooks()
     assert res.eval_images == 40 and 0.5 < res.metrics["mean_cosine"] <= 1.0
@@ -107,13 +107,13 @@ def test_every_preset_runs(minilm, method):
 
 def test_channel_aware_methods_keep_far_more_at_4_bits(minilm):
     cal = {"images": 16, "seed": 0, "batch_size": 16}
-    mm, _ = run_eval(minilm, QuantConfig(method="minmax", wbits=4, abits=4, calibration=cal), n_eval=60)
-    rq, _ = run_eval(minilm, QuantConfig(method="repq", wbits=4, abits=4, calibration=cal), n_eval=60)
+    mm, _ = run_eval(minilm, QuantConfig(preset="minmax", wbits=4, abits=4, calibration=cal), n_eval=60)
+    rq, _ = run_eval(minilm, QuantConfig(preset="repq", wbits=4, abits=4, calibration=cal), n_eval=60)
     assert rq.metrics["mean_cosine"] > mm.metrics["mean_cosine"] + 0.2
 
 
 def test_export_reload_bit_exact(tmp_path, minilm, short_texts):
-    cfg = QuantConfig(method="repq", wbits=4, abits=4, calibration={"images": 8, "seed": 0, "batch_size": 8})
+    cfg = QuantConfig(preset="repq", wbits=4, abits=4, calibration={"images": 8, "seed": 0, "batch_size": 8})
     calib, ids = calibration_batch(minilm, cfg, None)
     qm = QuantizedModel(minilm, cfg).calibrate(calib)
     export(qm, tmp_path / "e", ids)

@@ -155,7 +155,8 @@ def _ptq_args(p: argparse.ArgumentParser) -> None:
     from .ptq.presets import PRESETS
 
     add_model_args(p)
-    p.add_argument("--method", default="repq", choices=list(PRESETS))
+    p.add_argument("--preset", "--method", dest="preset", default="repq", choices=list(PRESETS),
+                   help="the published method or vizq refinement to apply (--method: the old name)")
     p.add_argument("--wbits", type=int, default=4)
     p.add_argument("--abits", type=int, default=4)
     p.add_argument("--calib", type=positive("--calib"), default=32, help="calibration images (seeded)")
@@ -173,7 +174,7 @@ def config_from_args(a: argparse.Namespace):  # noqa: ANN201
 
     if a.config:
         return QuantConfig.load(a.config)
-    return QuantConfig(method=a.method, wbits=a.wbits, abits=a.abits, overrides=overrides_from_rules(a.override),
+    return QuantConfig(preset=a.preset, wbits=a.wbits, abits=a.abits, overrides=overrides_from_rules(a.override),
                        recon_iters=a.recon_iters,
                        calibration={"images": a.calib, "seed": a.seed, "batch_size": a.batch_size})
 
@@ -208,7 +209,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
     if not ctx.main:
         return 0
     d = res.to_dict()
-    keys = ["model", "method", "wbits", "abits", "calib_images", "eval_images", "fp_top1", "q_top1", "fp_top5",
+    keys = ["model", "preset", "wbits", "abits", "calib_images", "eval_images", "fp_top1", "q_top1", "fp_top5",
             "q_top5", "agreement", "kl", "seconds_calibrate", "seconds_eval", "fake_quant_kernel"]
     row = {k: d[k] for k in keys if d[k] is not None}
     print_table([{**row, **d["metrics"]}])
@@ -370,7 +371,8 @@ def _sweep_args(p: argparse.ArgumentParser) -> None:
     from .ptq.presets import PRESETS
 
     add_model_args(p)
-    p.add_argument("--methods", required=True, help=f"comma-separated presets ({', '.join(PRESETS)})")
+    p.add_argument("--presets", "--methods", dest="methods", required=True,
+                   help=f"comma-separated presets ({', '.join(PRESETS)}); --methods: the old name")
     p.add_argument("--bits", default="4/4,6/6,8/8", help="comma-separated W/A pairs, e.g. 4/4,4/8,8/8")
     p.add_argument("--override-set", action="append", default=[],
                    help="one extra job per set: ';'-separated --override rules (repeatable); "
@@ -404,7 +406,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     rows = run_sweep(lm, jobs, a.out, a.data, a.images, ctx, log=print if ctx.main else None)
     dist.finish(ctx)
     if ctx.main:
-        print_table(rows, ["job", "method", "wbits", "abits", "overrides", "q_top1", "agreement", "kl", "status"])
+        print_table(rows, ["job", "preset", "wbits", "abits", "overrides", "q_top1", "agreement", "kl", "status"])
         print(f"wrote {a.out}: {len(rows)} job results, results.json, results.csv")
     return 0
 

@@ -226,7 +226,7 @@ def accuracy_vs_bits(history: list[dict[str, Any]], metric: str = "q_top1") -> t
     df["data_key"] = [d.get("key", "not recorded") if isinstance(d, dict) else "not recorded" for d in df.get("data", [None] * len(df))]
     several = df.data_key.nunique() > 1
     fig = go.Figure()
-    for i, ((method, w, key), g) in enumerate(df.groupby(["method", "wbits", "data_key"])):
+    for i, ((method, w, key), g) in enumerate(df.groupby(["preset", "wbits", "data_key"])):
         g = g.sort_values("abits")
         name = f"{method} W{w}" + (f" · {key}" if several else "")
         fig.add_scatter(x=g.abits, y=g[metric], mode="lines+markers", name=name, marker_color=PALETTE[i % len(PALETTE)],

@@ -29,7 +29,14 @@ def history_path() -> Path:
 def load_history(path: Path | None = None) -> list[dict[str, Any]]:
     """The recorded runs; an unreadable file reads as empty (and is kept aside on the next write)."""
     runs = _read(path or history_path())
-    return runs if runs is not None else []
+    return [_current(r) for r in runs] if runs is not None else []
+
+
+def _current(run: Any) -> Any:
+    """A record in today's keys: runs recorded before the rename name their preset "method"."""
+    if isinstance(run, dict) and "method" in run and "preset" not in run:
+        run = {("preset" if k == "method" else k): v for k, v in run.items()}
+    return run
 
 
 def _read(p: Path) -> list[dict[str, Any]] | None:

@@ -22,7 +22,7 @@ from .errors import InputError
 from .ptq.config import QuantConfig, overrides_from_rules
 from .runs import append_run
 
-RESULT_KEYS = ("job", "method", "wbits", "abits", "overrides", "calib_images", "eval_images", "fp_top1", "q_top1",
+RESULT_KEYS = ("job", "preset", "wbits", "abits", "overrides", "calib_images", "eval_images", "fp_top1", "q_top1",
                "fp_top5", "q_top5", "agreement", "kl", "seconds_calibrate", "seconds_eval", "status")
 
 
@@ -30,7 +30,7 @@ RESULT_KEYS = ("job", "method", "wbits", "abits", "overrides", "calib_images", "
 class Job:
     """One evaluation of the sweep: a preset, widths and a set of override rules."""
 
-    method: str
+    preset: str
     wbits: int
     abits: int
     rules: tuple[str, ...]
@@ -39,7 +39,7 @@ class Job:
     @property
     def id(self) -> str:
         """Stable file name: the same job always maps to the same file (resume)."""
-        base = f"{self.method}-w{self.wbits}a{self.abits}"
+        base = f"{self.preset}-w{self.wbits}a{self.abits}"
         if not self.rules:
             return base
         return f"{base}-{hashlib.sha1(';'.join(self.rules).encode()).hexdigest()[:8]}"
@@ -61,14 +61,14 @@ def plan_jobs(methods: list[str], bits: list[str], override_sets: list[str], com
         for w, a in (_bits(b.strip()) for b in bits if b.strip()):
             for s in override_sets:
                 rules = tuple(common) + tuple(r.strip() for r in s.split(";") if r.strip())
-                cfg = QuantConfig(method=m, wbits=w, abits=a, overrides=overrides_from_rules(list(rules)),
+                cfg = QuantConfig(preset=m, wbits=w, abits=a, overrides=overrides_from_rules(list(rules)),
                                   calibration={"images": calib, "seed": seed, "batch_size": batch_size})
                 jobs.append(Job(m, w, a, rules, cfg))
     if not jobs:
-        raise InputError("the sweep has no jobs: give at least one method and one W/A pair")
+        raise InputError("the sweep has no jobs: give at least one preset and one W/A pair")
     ids = [j.id for j in jobs]
     if len(set(ids)) != len(ids):
-        raise InputError("the sweep lists the same job twice; remove the repeated method, width or override set")
+        raise InputError("the sweep lists the same job twice; remove the repeated preset, width or override set")
     return jobs
 
 
@@ -125,7 +125,7 @@ def run_sweep(loaded: Any, jobs: list[Job], out: str | Path, data: str | None, n
         return []
     rows = []
     for job in jobs:
-        rec = _done(out / f"{job.id}.json") or {"job": job.id, "method": job.method, "wbits": job.wbits,
+        rec = _done(out / f"{job.id}.json") or {"job": job.id, "preset": job.preset, "wbits": job.wbits,
                                                  "abits": job.abits, "status": "missing"}
         rows.append({k: (";".join(rec.get(k) or []) if k == "overrides" else rec.get(k)) for k in RESULT_KEYS})
     atomic.write_json(out / "results.json", rows)

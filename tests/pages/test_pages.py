@@ -114,7 +114,7 @@ def test_evaluation_runs_in_background_and_lands_in_history(app):
     assert len(at.get("plotly_chart")) >= 1  # accuracy against bits
     from vizq.runs import load_history
 
-    assert load_history()[-1]["method"] == "repq" and load_history()[-1]["eval_images"] == 100
+    assert load_history()[-1]["preset"] == "repq" and load_history()[-1]["eval_images"] == 100
 
 
 def _wait(at: AppTest, done, timeout: float = 120) -> AppTest:

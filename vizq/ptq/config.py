@@ -12,7 +12,9 @@ import yaml
 from ..errors import InputError, VizqError
 from ..sites import KINDS
 
-CONFIG_VERSION = 1
+#: 2: ``method`` renamed ``preset`` (a quantizer's own range search is its ``method`` option,
+#: a different thing). Version-1 files still load: :func:`migrate` renames the key.
+CONFIG_VERSION = 2
 #: A configuration is a few kilobytes; anything far larger is a mistake (or hostile) and would
 #: take minutes to parse and validate, so it is refused before parsing.
 MAX_CONFIG_BYTES = 1 << 20
@@ -40,14 +42,14 @@ class CalibrationConfig:
 
 @dataclass
 class QuantConfig:
-    """A method preset, bit widths, per-site overrides and calibration settings.
+    """A preset, bit widths, per-site overrides and calibration settings.
 
     ``overrides`` keys are a site kind (``post_softmax``), a glob over site names
     (``blocks.*.attn.softmax``) or an exact name; values hold any of ``quantizer``, ``bits``,
     ``options``, ``enabled``. Kind keys apply first, then globs in order (later wins).
     """
 
-    method: str = "minmax"
+    preset: str = "minmax"
     wbits: int = 4
     abits: int = 4
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -71,8 +73,8 @@ class QuantConfig:
             raise ConfigError(f"version must be a positive integer, got {self.version!r}")
         if self.version > CONFIG_VERSION:
             raise ConfigError(f"version {self.version} is newer than this vizq understands ({CONFIG_VERSION}); upgrade vizq")
-        if self.method not in PRESETS:
-            raise ConfigError(f"method {self.method!r} is unknown; choose one of {', '.join(PRESETS)}")
+        if self.preset not in PRESETS:
+            raise ConfigError(f"preset {self.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
         for key in ("wbits", "abits"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or not 2 <= v <= 16:
@@ -113,6 +115,7 @@ class QuantConfig:
     def from_dict(cls, d: dict[str, Any]) -> "QuantConfig":
         if not isinstance(d, dict):
             raise ConfigError("a configuration must be a mapping")
+        d = migrate(d)
         allowed = {f for f in cls.__dataclass_fields__}
         unknown = set(d) - allowed
         if unknown:
@@ -138,7 +141,7 @@ class QuantConfig:
             d = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"not valid JSON/YAML: {e}") from e
-        if isinstance(d, dict) and "config" in d and "method" not in d:
+        if isinstance(d, dict) and "config" in d and "preset" not in d and "method" not in d:
             d = d["config"]  # an export's config.json wraps nothing, but accept {"config": …}
         return cls.from_dict(d)
 
@@ -164,6 +167,18 @@ class QuantConfig:
 
         text = self.to_yaml() if str(path).endswith((".yaml", ".yml")) else self.to_json()
         atomic.write_text(path, text)
+
+
+def migrate(d: dict[str, Any]) -> dict[str, Any]:
+    """An older configuration's keys in this version's words (the input is not modified)."""
+    version = d.get("version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version < CONFIG_VERSION:
+        return d  # current, or newer/invalid: validate() says so
+    d = dict(d)
+    if version < 2 and "method" in d and "preset" not in d:
+        d["preset"] = d.pop("method")
+    d["version"] = CONFIG_VERSION
+    return d
 
 
 def is_kind_key(key: str) -> bool:

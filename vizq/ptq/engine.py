@@ -98,8 +98,8 @@ class QuantizedModel(nn.Module):
         self.folds: dict[str, Fold] = {}
         self.calibrated = False
         self._stash: dict[str, torch.Tensor] = {}
-        self._score_on = config.method in OUTPUT_SCORED
-        self._score_images = PRESETS[config.method].score_images  # None: the whole batch
+        self._score_on = config.preset in OUTPUT_SCORED
+        self._score_images = PRESETS[config.preset].score_images  # None: the whole batch
         for s in self.sites:
             spec = self.specs.get(s.name)
             if spec is None:
@@ -174,7 +174,7 @@ class QuantizedModel(nn.Module):
 
     def _score_for(self, site: Site, x: torch.Tensor) -> Callable | None:
         """Score searches by the error of the operation the tensor feeds (AdaLog's FPCS)."""
-        if site.kind not in OUTPUT_SCORED.get(self.config.method, ()):
+        if site.kind not in OUTPUT_SCORED.get(self.config.preset, ()):
             return None
         xs = x[: self._score_images]
         if site.kind == "post_softmax":
@@ -190,7 +190,7 @@ class QuantizedModel(nn.Module):
 
             return attn_score
         w = self.model.get_submodule(site.consumers[0]).weight.detach()
-        if PRESETS[self.config.method].token_relative:
+        if PRESETS[self.config.preset].token_relative:
             return lambda xq, xg: token_relative_output_error(xq - xg, xg, w)
 
         def linear_score(xq: torch.Tensor, xg: torch.Tensor) -> torch.Tensor:

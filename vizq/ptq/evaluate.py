@@ -28,7 +28,7 @@ Progress = Callable[[int, int, str], None]
 @dataclass
 class EvalResult:
     model: str
-    method: str
+    preset: str
     wbits: int
     abits: int
     calib_images: int
@@ -144,7 +144,7 @@ def evaluate(loaded: Any, qmodel: QuantizedModel, images: ImageSet, indices: Seq
     sqnr = {k: (math.inf if acc.noise[k] == 0 else 10 * math.log10(max(acc.signal[k], 1e-30) / acc.noise[k])) for k in acc.noise}
     cfg = qmodel.config
     return EvalResult(
-        model=loaded.info.model_id, method=cfg.method, wbits=cfg.wbits, abits=cfg.abits,
+        model=loaded.info.model_id, preset=cfg.preset, wbits=cfg.wbits, abits=cfg.abits,
         calib_images=calib_images, eval_images=acc.n,
         fp_top1=acc.pct(acc.fp1), q_top1=acc.pct(acc.q1), fp_top5=acc.pct(acc.fp5), q_top5=acc.pct(acc.q5),
         agreement=100.0 * acc.agree / acc.n, kl=acc.kl / acc.n,
@@ -186,7 +186,7 @@ def evaluate_embeddings(loaded: Any, qmodel: QuantizedModel, texts: ImageSet, in
     m = retrieval_metrics(fp, q)
     cfg = qmodel.config
     return EvalResult(
-        model=loaded.info.model_id, method=cfg.method, wbits=cfg.wbits, abits=cfg.abits,
+        model=loaded.info.model_id, preset=cfg.preset, wbits=cfg.wbits, abits=cfg.abits,
         calib_images=calib_images, eval_images=len(fp), fp_top1=None, q_top1=None, fp_top5=None, q_top5=None,
         agreement=m["nn_top1_agreement"], kl=None, seconds_calibrate=seconds_calibrate, seconds_eval=time.time() - t0,
         skipped_images=0, config=cfg.to_dict(), metrics=m, fake_quant_kernel=native.kernel_for(device),

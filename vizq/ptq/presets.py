@@ -31,10 +31,16 @@ class Spec:
 
 
 def _bits_for(quantizer: str, requested: int) -> int:
-    from ..quant import quantizer_class
+    """The one bits rule (``vizq.quant.registry.bits_for``, as in the lab and the CLI): a fixed-width
+    format keeps its width; a quantizer whose range lacks ``requested`` is an error, never a
+    silent clamp (a W10A10 repq would otherwise run its log√2 softmax at 8 bits unannounced)."""
+    from ..quant import QuantizerError, quantizer_class
+    from ..quant.registry import bits_for
 
-    lo, hi = quantizer_class(quantizer).bit_range
-    return min(max(requested, lo), hi)
+    try:
+        return bits_for(quantizer_class(quantizer), requested)
+    except QuantizerError as e:
+        raise ConfigError(f"{e} (asked for by this configuration's bit widths or overrides)") from None
 
 
 def _matches(key: str, site: Site) -> bool:
@@ -75,7 +81,7 @@ def check_overrides(config: QuantConfig, sites: list[Site]) -> None:
 def plan(config: QuantConfig, sites: list[Site]) -> dict[str, Spec | None]:
     """Resolve every site to a :class:`Spec` (or None: left in floating point)."""
     check_overrides(config, sites)
-    preset = PRESETS[config.method]
+    preset = PRESETS[config.preset]
     out: dict[str, Spec | None] = {}
     kind_rules = [(k, r) for k, r in config.overrides.items() if is_kind_key(k)]
     glob_rules = [(k, r) for k, r in config.overrides.items() if not is_kind_key(k)]
@@ -110,4 +116,4 @@ def plan(config: QuantConfig, sites: list[Site]) -> dict[str, Spec | None]:
 
 
 def reparam_mode(config: QuantConfig) -> str:
-    return config.reparam if config.reparam is not None else PRESETS[config.method].reparam
+    return config.reparam if config.reparam is not None else PRESETS[config.preset].reparam

@@ -45,5 +45,5 @@ def config_form(prefix: str = "cfg") -> QuantConfig:
                 rule["bits"] = int(r["bits"])
             if rule:
                 overrides[r["kind"]] = rule
-    return QuantConfig(method=method, wbits=int(wbits), abits=int(abits), overrides=overrides,
+    return QuantConfig(preset=method, wbits=int(wbits), abits=int(abits), overrides=overrides,
                        calibration={"images": int(calib), "seed": int(seed), "batch_size": 32})
