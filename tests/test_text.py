@@ -143,3 +143,21 @@ def test_text_files_and_errors(tmp_path, minilm):
     with pytest.raises(DataError, match="no sentences"):
         resolve_images(minilm, str(tmp_path / "empty.txt"))
     assert len(resolve_images(minilm, None)) >= 200  # the bundled set
+
+
+def test_cli_export_of_a_text_model_and_its_reload(tmp_path, capsys):
+    """The CLI export on a text model calibrates on a list of equal-length batches (it crashed
+    on ``calib.to(dev)``); the folder reloads in ``eval --config`` and the manifest names the data."""
+    from vizq.cli import main
+
+    out = tmp_path / "exp"
+    assert main(["export", "--model", "minilm-l6", "--preset", "repq", "--wbits", "8", "--abits", "8", "--calib", "8",
+                 "--batch-size", "8", "--out", str(out)]) == 0
+    man = json.loads((out / "manifest.json").read_text())
+    assert len(man["calibration_image_ids"]) == 8 and man["data"]["source"] == "bundled"
+    assert man["calibration_image_ids"][0].startswith("sentences:")
+    js = tmp_path / "eval.json"
+    assert main(["eval", "--model", "minilm-l6", "--config", str(out), "--images", "24", "--json", str(js)]) == 0
+    res = json.loads(js.read_text())
+    assert res["calib_images"] == 0 and res["eval_images"] == 24 and res["metrics"]["mean_cosine"] > 0.9
+    capsys.readouterr()

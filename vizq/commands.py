@@ -162,7 +162,8 @@ def _ptq_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib", type=positive("--calib"), default=32, help="calibration images (seeded)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default="bundled", help="'bundled' or an image folder (ImageFolder / flat)")
-    p.add_argument("--config", default=None, help="a QuantConfig JSON/YAML, or an export folder to reuse")
+    p.add_argument("--config", default=None,
+                   help="a QuantConfig JSON/YAML, or an export folder or zip to reuse (reloaded bit-exactly by eval)")
     p.add_argument("--recon-iters", type=nonnegative("--recon-iters"), default=0,
                    help="block reconstruction steps per block after calibration (I&S-ViT/DopQ-ViT style; slow on CPU)")
     p.add_argument("--override", action="append", default=[],
@@ -173,7 +174,10 @@ def config_from_args(a: argparse.Namespace):  # noqa: ANN201
     from .ptq.config import QuantConfig, overrides_from_rules
 
     if a.config:
-        return QuantConfig.load(a.config)
+        from .ptq.export import opened
+
+        with opened(a.config) as path:  # a config file, an export folder, or an export's zip
+            return QuantConfig.load(path)
     return QuantConfig(preset=a.preset, wbits=a.wbits, abits=a.abits, overrides=overrides_from_rules(a.override),
                        recon_iters=a.recon_iters,
                        calibration={"images": a.calib, "seed": a.seed, "batch_size": a.batch_size})

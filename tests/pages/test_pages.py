@@ -211,7 +211,7 @@ def test_a_cancel_removes_the_previous_runs_message(app):
 
     def press_cancel() -> None:
         for o in gc.get_objects():
-            if isinstance(o, Job) and not o.finished:
+            if type(o) is Job and not o.finished:
                 o.cancel()
 
     timer = threading.Timer(1.5, press_cancel)
