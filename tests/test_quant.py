@@ -303,3 +303,17 @@ def test_block_formats_refuse_a_0_dim_tensor(name):
     q = get_quantizer(name).calibrate(torch.randn(64))
     with pytest.raises(QuantizerError, match="0-dim"):
         q.fake_quant(torch.tensor(1.5))
+
+
+def test_granularity_is_a_value_with_its_scope():
+    from vizq.quant import Granularity
+
+    x = torch.randn(4, 8, 32)
+    assert get_quantizer("uniform", 4).granularity is Granularity.TENSOR
+    q = get_quantizer("uniform", 4, granularity=Granularity.CHANNEL).calibrate(x)
+    assert q.granularity is Granularity.CHANNEL and q.granularity.scope == "per-axis" and q.options["granularity"] == "channel"
+    assert json.loads(json.dumps(q.to_dict()))["options"]["granularity"] == "channel"  # written by name
+    assert get_quantizer("mxfp4").granularity is Granularity.BLOCK and Granularity.BLOCK.scope == "per-block"
+    assert get_quantizer("uniform", 4, granularity="out_channel").granularity.axis == 0
+    with pytest.raises(QuantizerError, match="granularity='rows' is unknown"):
+        get_quantizer("uniform", 4, granularity="rows")

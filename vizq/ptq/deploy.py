@@ -24,6 +24,7 @@ import torch
 from ..capture import site_hooks
 from ..dataspec import DataSpec
 from ..errors import Cancelled, InputError
+from ..quant import Granularity
 from .config import ConfigError, QuantConfig
 from .engine import QuantizedModel
 from .evaluate import Calibration, calibrate, eval_split
@@ -54,12 +55,12 @@ def site_forms(qm: QuantizedModel) -> list[dict[str, Any]]:
 
 
 def _uniform_rule(q: Any, weight: bool) -> dict[str, Any]:
-    gran = q.options.get("granularity", "tensor")
-    if weight:
-        gran = gran if gran in ("tensor", "out_channel", "channel") else "out_channel"
-    elif gran not in ("tensor", "channel", "token", "head"):
-        gran = "tensor"
-    return {"quantizer": "uniform", "bits": q.bits, "options": {"granularity": gran, "method": "percentile"}}
+    g = q.granularity
+    if weight:  # a weight keeps per-tensor or per-axis sharing; blocks become per output channel
+        g = g if g in (Granularity.TENSOR, Granularity.OUT_CHANNEL, Granularity.CHANNEL) else Granularity.OUT_CHANNEL
+    elif g.scope != "per-axis" or g is Granularity.OUT_CHANNEL:
+        g = Granularity.TENSOR
+    return {"quantizer": "uniform", "bits": q.bits, "options": {"granularity": g.value, "method": "percentile"}}
 
 
 def deployable_config(qm: QuantizedModel, choice: NonUniform) -> tuple[QuantConfig, list[dict[str, Any]]]:

@@ -329,7 +329,7 @@ class QuantizedModel(nn.Module):
             if q is None:
                 continue
             row = {"site": s.name, "kind": s.kind, "quantizer": q.name, "bits": q.bits,
-                   "granularity": q.options.get("granularity", "block" if "block_size" in q.options else "tensor"),
+                   "granularity": q.granularity.value,
                    "folded": s.name in self.folds}
             for k, v in q.state.items():
                 row[f"{k}_min"] = float(v.min())
@@ -341,12 +341,10 @@ class QuantizedModel(nn.Module):
 def merge_for_calibration(xs: list[torch.Tensor], q: Quantizer) -> torch.Tensor:
     """One calibration tensor from batches whose token counts differ, keeping the rank and
     the position of the quantizer's group axis (so the calibrated axis applies to the batches)."""
-    from ..quant import GRANULARITY_AXES
-
     if all(x.shape[1:] == xs[0].shape[1:] for x in xs):
         return torch.cat(xs, 0)
     rank = xs[0].dim()
-    axis = GRANULARITY_AXES.get(q.options.get("granularity", "tensor"))
+    axis = q.granularity.axis
     if axis is None:
         flat = torch.cat([x.reshape(-1) for x in xs])
         return flat.reshape(-1, *([1] * (rank - 1)))

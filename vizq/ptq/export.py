@@ -42,7 +42,7 @@ def _versions() -> dict[str, str]:
 
 
 def _granularity(q: Any) -> str:
-    return q.options.get("granularity", "block" if "block_size" in q.options else "tensor")
+    return q.granularity.value
 
 
 def _changed_params(qm: QuantizedModel) -> dict[str, torch.Tensor]:

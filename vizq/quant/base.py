@@ -14,6 +14,7 @@ downstream instead of turning into a plausible number.
 from __future__ import annotations
 
 import math
+from enum import Enum
 from typing import Any, Callable, ClassVar, Sequence
 
 import torch
@@ -23,14 +24,31 @@ from ..errors import VizqError
 Tensor = torch.Tensor
 Score = Callable[[Tensor, Tensor], Tensor]
 
-#: Granularity name -> grouping axis (None: one group for the whole tensor).
-GRANULARITY_AXES: dict[str, int | None] = {
-    "tensor": None,
-    "channel": -1,  # last dim: features of a token
-    "token": -2,  # one parameter set per token position
-    "head": 1,  # attention heads of a [B, H, N, N] or [B, H, N, D] tensor
-    "out_channel": 0,  # weights: one parameter set per output channel (row of W)
-}
+class Granularity(str, Enum):
+    """How many parameter sets a quantizer keeps: one per tensor, one per index along an axis,
+    or one per block of consecutive values (MX, NVFP4). A value, not a string: a misspelt
+    granularity fails where it is named, and ``scope`` says which of the three it is. It is a
+    ``str`` enum, so configurations and exports keep writing the plain names."""
+
+    TENSOR = "tensor"
+    CHANNEL = "channel"  # last dim: features of a token
+    TOKEN = "token"  # one parameter set per token position
+    HEAD = "head"  # attention heads of a [B, H, N, N] or [B, H, N, D] tensor
+    OUT_CHANNEL = "out_channel"  # weights: one parameter set per output channel (row of W)
+    BLOCK = "block"  # block formats: set by the format's block size, not chosen as an option
+
+    @property
+    def axis(self) -> int | None:
+        """The grouping axis (None: the whole tensor, or blocks)."""
+        return {"channel": -1, "token": -2, "head": 1, "out_channel": 0}.get(self.value)
+
+    @property
+    def scope(self) -> str:
+        return {"tensor": "per-tensor", "block": "per-block"}.get(self.value, "per-axis")
+
+
+#: Granularity name -> grouping axis for the granularities a quantizer's option may name.
+GRANULARITY_AXES: dict[str, int | None] = {g.value: g.axis for g in Granularity if g is not Granularity.BLOCK}
 
 #: Searches look at most this many values per group: enough for stable error estimates,
 #: small enough to keep a live comparison interactive.
@@ -74,6 +92,8 @@ class Quantizer:
             raise QuantizerError(
                 f"{self.name}: granularity={gran!r} is unknown; use one of {list(GRANULARITY_AXES)}"
             )
+        if "granularity" in self.options:
+            self.options["granularity"] = Granularity(gran).value  # a Granularity member is stored by name
         self.state: dict[str, Tensor] = {}
         self._score: Score | None = None
         self.axis: int | None = None  # normalised (negative) grouping axis once calibrated
@@ -138,6 +158,13 @@ class Quantizer:
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         return f"{type(self).__name__}(bits={self.bits}, {opts})"
+
+    @property
+    def granularity(self) -> Granularity:
+        """The parameter sharing this quantizer uses (``BLOCK`` for block formats)."""
+        if "block_size" in self.options:
+            return Granularity.BLOCK
+        return Granularity(self.options.get("granularity", "tensor"))
 
     # ----------------------------------------------------------------- grouping helpers
     def _axis_for(self, x: Tensor) -> int | None:
