@@ -304,3 +304,16 @@ def test_one_bits_rule_a_preset_never_clamps_silently(bundled):
         QuantizedModel(bundled, QuantConfig(preset="repq", wbits=10, abits=10))
     with QuantizedModel(bundled, QuantConfig(preset="nvfp4", wbits=8, abits=8)) as qm:
         assert {a.q.bits for a in qm.acts.values()} == {4}
+
+
+def test_overrides_are_typed_rules_in_application_order():
+    from vizq.ptq.config import Rule
+
+    cfg = QuantConfig(preset="repq", overrides={"blocks.1.*": {"bits": 8}, "post_softmax": {"quantizer": "log2"},
+                                                "head:input": {"enabled": False}})
+    rules = cfg.rules()
+    assert [r.target for r in rules] == ["post_softmax", "blocks.1.*", "head:input"]  # kinds first, then globs
+    assert rules[0] == Rule("post_softmax", quantizer="log2") and rules[0].is_kind
+    assert rules[1].bits == 8 and rules[1].quantizer is None and rules[2].enabled is False
+    with pytest.raises(ConfigError, match=r"overrides\['x'\].bits=True"):
+        QuantConfig(overrides={"x": {"bits": True}})

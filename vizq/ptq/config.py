@@ -40,6 +40,47 @@ class CalibrationConfig:
             raise ConfigError(f"calibration.seed must be an integer, got {self.seed!r}")
 
 
+@dataclass(frozen=True)
+class Rule:
+    """One override: which sites (``target``: a site kind, a glob over site names, or a name)
+    and what changes there. ``None`` fields keep what the preset (or an earlier rule) chose.
+    Configurations store rules as plain mappings (``QuantConfig.overrides``); this is their
+    checked, typed form."""
+
+    target: str
+    quantizer: str | None = None
+    bits: int | None = None
+    options: dict[str, Any] | None = None
+    enabled: bool | None = None
+
+    @property
+    def is_kind(self) -> bool:
+        return is_kind_key(self.target)
+
+    @classmethod
+    def parse(cls, key: str, rule: Any) -> "Rule":
+        from ..quant import list_quantizers, quantizer_class
+
+        if not isinstance(rule, dict):
+            raise ConfigError(f"overrides[{key!r}] must be a mapping, got {type(rule).__name__}")
+        bad = set(rule) - RULE_KEYS
+        if bad:
+            raise ConfigError(f"overrides[{key!r}] has unknown key {sorted(bad)[0]!r}; allowed: {sorted(RULE_KEYS)}")
+        q = rule.get("quantizer")
+        if q is not None and q not in list_quantizers():
+            raise ConfigError(f"overrides[{key!r}].quantizer {q!r} is unknown; choose one of {', '.join(list_quantizers())}")
+        bits = rule.get("bits")
+        if bits is not None:
+            lo, hi = quantizer_class(q).bit_range if q else (2, 16)
+            if not isinstance(bits, int) or isinstance(bits, bool) or not lo <= bits <= hi:
+                raise ConfigError(f"overrides[{key!r}].bits={bits!r} is out of range {lo}..{hi}")
+        if "options" in rule and not isinstance(rule["options"], dict):
+            raise ConfigError(f"overrides[{key!r}].options must be a mapping")
+        if "enabled" in rule and not isinstance(rule["enabled"], bool):
+            raise ConfigError(f"overrides[{key!r}].enabled must be true or false")
+        return cls(key, q, bits, rule.get("options"), rule.get("enabled"))
+
+
 @dataclass
 class QuantConfig:
     """A preset, bit widths, per-site overrides and calibration settings.
@@ -85,27 +126,14 @@ class QuantConfig:
             raise ConfigError(f"recon_iters must be a non-negative integer, got {self.recon_iters!r}")
         if not isinstance(self.overrides, dict):
             raise ConfigError("overrides must be a mapping of site glob or kind to settings")
-        from ..quant import list_quantizers, quantizer_class
-
-        for key, rule in self.overrides.items():
-            if not isinstance(rule, dict):
-                raise ConfigError(f"overrides[{key!r}] must be a mapping, got {type(rule).__name__}")
-            bad = set(rule) - RULE_KEYS
-            if bad:
-                raise ConfigError(f"overrides[{key!r}] has unknown key {sorted(bad)[0]!r}; allowed: {sorted(RULE_KEYS)}")
-            q = rule.get("quantizer")
-            if q is not None and q not in list_quantizers():
-                raise ConfigError(f"overrides[{key!r}].quantizer {q!r} is unknown; choose one of {', '.join(list_quantizers())}")
-            bits = rule.get("bits")
-            if bits is not None:
-                lo, hi = quantizer_class(q).bit_range if q else (2, 16)
-                if not isinstance(bits, int) or not lo <= bits <= hi:
-                    raise ConfigError(f"overrides[{key!r}].bits={bits!r} is out of range {lo}..{hi}")
-            if "options" in rule and not isinstance(rule["options"], dict):
-                raise ConfigError(f"overrides[{key!r}].options must be a mapping")
-            if "enabled" in rule and not isinstance(rule["enabled"], bool):
-                raise ConfigError(f"overrides[{key!r}].enabled must be true or false")
+        self.rules()  # every override parses into a typed Rule, or the error names it
         self.calibration.validate()
+
+    def rules(self) -> list["Rule"]:
+        """The overrides as typed rules, in the order they apply: site kinds first, then globs
+        and exact names in the order given (a later rule wins)."""
+        rules = [Rule.parse(k, r) for k, r in self.overrides.items()]
+        return [r for r in rules if r.is_kind] + [r for r in rules if not r.is_kind]
 
     # ---------------------------------------------------------------- (de)serialisation
     def to_dict(self) -> dict[str, Any]:

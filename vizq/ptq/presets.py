@@ -12,7 +12,7 @@ from typing import Any
 
 from ..sites import Site
 from .catalog import GELU_SHIFT, OUTPUT_SCORED, PATCH_INPUT_BITS, PRESETS, QUANTIZED_ACT_KINDS, Preset
-from .config import ConfigError, QuantConfig, is_kind_key
+from .config import ConfigError, QuantConfig, Rule
 
 __all__ = ["GELU_SHIFT", "OUTPUT_SCORED", "PATCH_INPUT_BITS", "PRESETS", "QUANTIZED_ACT_KINDS", "Preset", "Spec", "plan"]
 
@@ -43,8 +43,8 @@ def _bits_for(quantizer: str, requested: int) -> int:
         raise ConfigError(f"{e} (asked for by this configuration's bit widths or overrides)") from None
 
 
-def _matches(key: str, site: Site) -> bool:
-    return site.kind == key if is_kind_key(key) else fnmatch.fnmatchcase(site.name, key)
+def _matches(rule: Rule, site: Site) -> bool:
+    return site.kind == rule.target if rule.is_kind else fnmatch.fnmatchcase(site.name, rule.target)
 
 
 #: Granularities that mean something for a site kind's tensor layout: [B, N, C] activations
@@ -64,14 +64,15 @@ def check_overrides(config: QuantConfig, sites: list[Site]) -> None:
     from ..sites import close_names
 
     names = [s.name for s in sites]
-    for key, rule in config.overrides.items():
-        hit = [s for s in sites if _matches(key, s)]
+    for rule in config.rules():
+        key = rule.target
+        hit = [s for s in sites if _matches(rule, s)]
         if not hit:
             close = close_names(key, names)
-            what = "site kind" if is_kind_key(key) else "pattern"
+            what = "site kind" if rule.is_kind else "pattern"
             hint = f"; close site names: {', '.join(close)}" if close else "; list them with `python -m vizq sites`"
             raise ConfigError(f"override {key!r}: this {what} matches no site of the model{hint}")
-        gran = (rule.get("options") or {}).get("granularity")
+        gran = (rule.options or {}).get("granularity")
         for s in hit:
             if gran is not None and gran not in GRANULARITIES.get(s.kind, ("tensor",)):
                 raise ConfigError(f"override {key!r}: granularity={gran!r} cannot apply to {s.name} ({s.kind}); "
@@ -83,8 +84,7 @@ def plan(config: QuantConfig, sites: list[Site]) -> dict[str, Spec | None]:
     check_overrides(config, sites)
     preset = PRESETS[config.preset]
     out: dict[str, Spec | None] = {}
-    kind_rules = [(k, r) for k, r in config.overrides.items() if is_kind_key(k)]
-    glob_rules = [(k, r) for k, r in config.overrides.items() if not is_kind_key(k)]
+    rules = config.rules()
     for s in sites:
         spec: Spec | None
         if s.kind == "weight":
@@ -98,18 +98,19 @@ def plan(config: QuantConfig, sites: list[Site]) -> dict[str, Spec | None]:
             spec = Spec(q, _bits_for(q, bits), dict(opts), preset.shifts.get(s.kind, 0.0))
         else:
             spec = None
-        for key, rule in kind_rules + glob_rules:
-            if not _matches(key, s):
+        for rule in rules:
+            if not _matches(rule, s):
                 continue
-            if rule.get("enabled") is False:
+            if rule.enabled is False:
                 spec = None
                 continue
             if spec is None and s.kind not in QUANTIZED_ACT_KINDS + ("weight",):
                 continue  # residual sites are not quantized
             base = spec or Spec("uniform", config.abits if s.is_activation else config.wbits)
-            q = rule.get("quantizer", base.quantizer)
-            opts = rule.get("options", base.options if q == base.quantizer else {})
-            bits = rule.get("bits", base.bits if q == base.quantizer else config.abits if s.is_activation else config.wbits)
+            q = rule.quantizer or base.quantizer
+            opts = rule.options if rule.options is not None else (base.options if q == base.quantizer else {})
+            bits = rule.bits if rule.bits is not None else (
+                base.bits if q == base.quantizer else config.abits if s.is_activation else config.wbits)
             spec = Spec(q, _bits_for(q, bits), dict(opts), base.shift if q == base.quantizer else 0.0)
         out[s.name] = spec
     return out
