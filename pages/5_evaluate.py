@@ -23,6 +23,12 @@ with guard("Checking the configuration"):
     cfg = config_form()
 n_eval = kept(st.number_input, f"Evaluation {unit} (disjoint from calibration)", "eval-n", 500, min_value=1,
               max_value=50000, step=50)
+with guard("Reading the data"):
+    will = service.counts(lm, cfg, data, int(n_eval))
+st.caption(f"This run will calibrate on {will.calib} training {unit} and evaluate on {will.eval} of the {will.pool} "
+           f"held-out ones." if will.own_split else
+           f"This run will calibrate on {will.calib} and evaluate on {will.eval} {unit}: the data holds {will.pool}, "
+           f"and calibration never takes more than half of a pool it shares with evaluation.")
 
 
 def evaluate_and_record(lm, cfg, data, n_eval, run):

@@ -16,6 +16,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from ..data import DataError
 from ..dataspec import DataSpec
 from ..dist import Context
 from ..errors import InputError
@@ -25,7 +26,7 @@ from .engine import QuantizedModel
 from .evaluate import Calibration, EvalResult, calibrate_shared, run_eval
 from .evaluate import sensitivity as _sensitivity
 
-__all__ = ["By", "Mode", "Run", "calibrate", "evaluate", "export", "export_zip", "deploy", "sensitivity", "reload"]
+__all__ = ["By", "Counts", "Mode", "Run", "calibrate", "counts", "evaluate", "export", "export_zip", "deploy", "sensitivity", "reload"]
 
 
 class By(str, Enum):
@@ -68,6 +69,34 @@ def evaluate(loaded: Any, config: QuantConfig, data: DataSpec, n_eval: int, run:
     if qmodel is None:
         qm.remove_hooks()
     return res
+
+
+@dataclass(frozen=True)
+class Counts:
+    """How many samples a run on ``data`` will really use (before any file is decoded)."""
+
+    pool: int  # the samples evaluation draws from (the held-out part where the family splits)
+    calib: int
+    eval: int
+    own_split: bool  # calibration comes from a separate part (the digits' training split)
+
+
+def counts(loaded: Any, config: QuantConfig, data: DataSpec, n_eval: int) -> Counts:
+    """What an evaluation of ``n_eval`` would use: the page says it before the run, so "500"
+    never reads as 500 on a folder of 17 photographs."""
+    from .evaluate import calib_count, eval_split
+
+    spec = DataSpec.of(data)
+    pool = len(spec.open(loaded, "eval"))
+    if spec.own_split(loaded):
+        n_cal = min(config.calibration.images, len(spec.open(loaded, "calib")))
+    else:
+        n_cal = calib_count(pool, config.calibration.images)
+    try:
+        _, idx = eval_split(loaded, config, spec, n_eval)
+    except DataError:
+        idx = []
+    return Counts(pool, n_cal, len(idx), spec.own_split(loaded))
 
 
 def export(loaded: Any, config: QuantConfig, data: DataSpec, out: str | Path, run: Run | None = None,
