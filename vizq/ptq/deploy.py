@@ -24,6 +24,7 @@ import torch
 from ..capture import site_hooks
 from ..dataspec import DataSpec
 from ..errors import Cancelled, InputError
+from ..family import LoadedModel
 from ..quant import Granularity
 from .config import ConfigError, QuantConfig
 from .engine import QuantizedModel
@@ -104,7 +105,7 @@ class Deployment:
                              "zero_point": np.asarray(e.qdq.zero_point).tolist()} for e in self.graph.entries]}
 
 
-def prepare(loaded: Any, config: QuantConfig, data: DataSpec | str | None = None, choice: NonUniform = NonUniform.FLOAT,
+def prepare(loaded: LoadedModel, config: QuantConfig, data: DataSpec | str | None = None, choice: NonUniform = NonUniform.FLOAT,
             check_images: int = 200, device: str | torch.device = "cpu", batch_size: int = 32,
             progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
             calib_progress: Progress | None = None) -> Deployment:
@@ -143,7 +144,7 @@ def session(model: bytes, threads: int | None = None) -> Any:
 
 
 @torch.no_grad()
-def check(loaded: Any, dep: Deployment, images: Any, idx: list[int], batch_size: int = 32,
+def check(loaded: LoadedModel, dep: Deployment, images: Any, idx: list[int], batch_size: int = 32,
           progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
           site_images: int = 4) -> dict[str, Any]:
     """Full precision, the research model, vizq's deployable model and ORT on the same images:
@@ -255,7 +256,7 @@ def first_difference(rows: list[dict[str, Any]]) -> str | None:
             "float rounding differences between the two runtimes, amplified by later sites")
 
 
-def load(path: str | Path, loaded: Any) -> Deployment:
+def load(path: str | Path, loaded: LoadedModel) -> Deployment:
     """An ONNX export folder back as a :class:`Deployment` (its vizq model reloaded bit-exactly,
     its graph read and checked), so it can be checked again; a damaged folder is one clear error."""
     import onnx

@@ -17,6 +17,7 @@ from ..capture import site_hooks
 from ..data import DataError, ImageSet, none_readable, pick, split_indices
 from ..dataspec import DataSpec
 from ..dist import Context, broadcast_object, gather_objects, shard, sum_tensor
+from ..family import LoadedModel
 from ..errors import Cancelled, InputError
 from ..quant import native
 from .config import QuantConfig
@@ -96,7 +97,7 @@ class _Acc:
 
 
 @torch.no_grad()
-def evaluate(loaded: Any, qmodel: QuantizedModel, images: ImageSet, indices: Sequence[int], batch_size: int = 32,
+def evaluate(loaded: LoadedModel, qmodel: QuantizedModel, images: ImageSet, indices: Sequence[int], batch_size: int = 32,
              device: str | torch.device = "cpu", site_sqnr: bool = True, progress: Progress | None = None,
              cancel: Callable[[], bool] | None = None, calib_images: int = 0, seconds_calibrate: float = 0.0,
              ctx: Context | None = None) -> EvalResult:
@@ -155,7 +156,7 @@ def evaluate(loaded: Any, qmodel: QuantizedModel, images: ImageSet, indices: Seq
 
 
 @torch.no_grad()
-def evaluate_embeddings(loaded: Any, qmodel: QuantizedModel, texts: ImageSet, indices: Sequence[int],
+def evaluate_embeddings(loaded: LoadedModel, qmodel: QuantizedModel, texts: ImageSet, indices: Sequence[int],
                         batch_size: int = 64, device: str | torch.device = "cpu", site_sqnr: bool = True,
                         progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
                         calib_images: int = 0, seconds_calibrate: float = 0.0, ctx: Context | None = None) -> EvalResult:
@@ -210,7 +211,7 @@ def retrieval_metrics(fp: torch.Tensor, q: torch.Tensor, k: int = 10) -> dict[st
             "nn_top1_agreement": 100 * float(top1), f"recall_at_{k}": 100 * float(recall)}
 
 
-def calibration_batch(loaded: Any, config: QuantConfig, data: DataSpec | str | None = None,
+def calibration_batch(loaded: LoadedModel, config: QuantConfig, data: DataSpec | str | None = None,
                       skipped: list[str] | None = None, for_eval: bool = True) -> tuple[Any, list[str]]:
     """The seeded calibration samples, and their ids (for the manifest): one tensor for
     images, a list of equal-length batches for text. Files that could not be read are
@@ -238,7 +239,7 @@ def calibration_batch(loaded: Any, config: QuantConfig, data: DataSpec | str | N
     return torch.cat(xs), ids
 
 
-def eval_split(loaded: Any, config: QuantConfig, data: DataSpec | str | None, n_eval: int,
+def eval_split(loaded: LoadedModel, config: QuantConfig, data: DataSpec | str | None, n_eval: int,
                seed: int = 0) -> tuple[ImageSet, list[int]]:
     """Evaluation images, disjoint from calibration (held-out split, or the pool's remainder)."""
     spec = DataSpec.of(data)
@@ -271,7 +272,7 @@ class Calibration:
     seconds: float
 
 
-def calibrate(loaded: Any, config: QuantConfig, data: DataSpec | str | None = None, device: str | torch.device = "cpu",
+def calibrate(loaded: LoadedModel, config: QuantConfig, data: DataSpec | str | None = None, device: str | torch.device = "cpu",
               progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
               for_eval: bool = True) -> Calibration:
     """Calibrate ``config`` on the seeded calibration samples of ``data``; the one way every
@@ -288,7 +289,7 @@ def calibrate(loaded: Any, config: QuantConfig, data: DataSpec | str | None = No
     return Calibration(qmodel, ids, skipped, time.time() - t0)
 
 
-def calibrate_shared(loaded: Any, config: QuantConfig, data: DataSpec | str | None, ctx: Context,
+def calibrate_shared(loaded: LoadedModel, config: QuantConfig, data: DataSpec | str | None, ctx: Context,
                      progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
                      for_eval: bool = True) -> Calibration:
     """Under torchrun: rank 0 calibrates and sends the calibrated state to every rank.
@@ -310,7 +311,7 @@ def calibrate_shared(loaded: Any, config: QuantConfig, data: DataSpec | str | No
     return Calibration(qm, ids, skipped, seconds)
 
 
-def run_eval(loaded: Any, config: QuantConfig, data: DataSpec | str | None = None, n_eval: int = 1000, device: str = "cpu",
+def run_eval(loaded: LoadedModel, config: QuantConfig, data: DataSpec | str | None = None, n_eval: int = 1000, device: str = "cpu",
              batch_size: int = 64, progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
              qmodel: QuantizedModel | None = None, ctx: Context | None = None,
              calib_progress: Progress | None = None) -> tuple[EvalResult, QuantizedModel]:
@@ -332,7 +333,7 @@ def run_eval(loaded: Any, config: QuantConfig, data: DataSpec | str | None = Non
     return res, qmodel
 
 
-def sensitivity(loaded: Any, config: QuantConfig, data: DataSpec | str | None = None, n_eval: int = 200, by: str = "kind",
+def sensitivity(loaded: LoadedModel, config: QuantConfig, data: DataSpec | str | None = None, n_eval: int = 200, by: str = "kind",
                 mode: str = "only", device: str = "cpu", progress: Progress | None = None,
                 cancel: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
     """Quantize one group at a time (``mode='only'``) or all but one (``'all_but'``).

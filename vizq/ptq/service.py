@@ -19,6 +19,7 @@ from typing import Any
 from ..data import DataError
 from ..dataspec import DataSpec
 from ..dist import Context
+from ..family import LoadedModel
 from ..errors import InputError
 from ..progress import Run
 from .config import QuantConfig
@@ -43,11 +44,11 @@ class Mode(str, Enum):
     ALL_BUT = "all_but"
 
 
-def _units(loaded: Any) -> str:
+def _units(loaded: LoadedModel) -> str:
     return "sentences" if loaded.info.modality == "text" else "images"
 
 
-def calibrate(loaded: Any, config: QuantConfig, data: DataSpec, run: Run | None = None, for_eval: bool = True,
+def calibrate(loaded: LoadedModel, config: QuantConfig, data: DataSpec, run: Run | None = None, for_eval: bool = True,
               ctx: Context | None = None) -> Calibration:
     """A calibrated model on ``data``'s calibration samples (see ``evaluate.calibrate``)."""
     run = run or Run()
@@ -56,7 +57,7 @@ def calibrate(loaded: Any, config: QuantConfig, data: DataSpec, run: Run | None 
                             cancel=run.cancel, for_eval=for_eval)
 
 
-def evaluate(loaded: Any, config: QuantConfig, data: DataSpec, n_eval: int, run: Run | None = None,
+def evaluate(loaded: LoadedModel, config: QuantConfig, data: DataSpec, n_eval: int, run: Run | None = None,
              qmodel: QuantizedModel | None = None, batch_size: int = 64, ctx: Context | None = None) -> EvalResult:
     """Calibrate (unless ``qmodel`` is given, e.g. reloaded from an export), then evaluate on
     held-out samples of the same ``data``; the result records ``data`` and the counts used."""
@@ -81,7 +82,7 @@ class Counts:
     own_split: bool  # calibration comes from a separate part (the digits' training split)
 
 
-def counts(loaded: Any, config: QuantConfig, data: DataSpec, n_eval: int) -> Counts:
+def counts(loaded: LoadedModel, config: QuantConfig, data: DataSpec, n_eval: int) -> Counts:
     """What an evaluation of ``n_eval`` would use: the page says it before the run, so "500"
     never reads as 500 on a folder of 17 photographs."""
     from .evaluate import calib_count, eval_split
@@ -99,7 +100,7 @@ def counts(loaded: Any, config: QuantConfig, data: DataSpec, n_eval: int) -> Cou
     return Counts(pool, n_cal, len(idx), spec.own_split(loaded))
 
 
-def export(loaded: Any, config: QuantConfig, data: DataSpec, out: str | Path, run: Run | None = None,
+def export(loaded: LoadedModel, config: QuantConfig, data: DataSpec, out: str | Path, run: Run | None = None,
            force: bool = False) -> Path:
     """Calibrate on ``data`` (the count asked: nothing is held out) and write a vizq export
     folder atomically; its manifest names the data source and the samples used."""
@@ -125,7 +126,7 @@ class Archive:
     skipped: list[str]
 
 
-def export_zip(loaded: Any, config: QuantConfig, data: DataSpec, run: Run | None = None) -> Archive:
+def export_zip(loaded: LoadedModel, config: QuantConfig, data: DataSpec, run: Run | None = None) -> Archive:
     """:func:`export` into a temporary folder, zipped; :func:`reload` reads the zip back as it is."""
     from .export import zip_folder
 
@@ -137,14 +138,14 @@ def export_zip(loaded: Any, config: QuantConfig, data: DataSpec, run: Run | None
                        list(m.get("skipped_files", [])))
 
 
-def reload(loaded: Any, path: str | Path) -> QuantizedModel:
+def reload(loaded: LoadedModel, path: str | Path) -> QuantizedModel:
     """A calibrated model from an export folder or its zip, bit-exactly (no recalibration)."""
     from .export import load_export
 
     return load_export(path, loaded)
 
 
-def deploy(loaded: Any, config: QuantConfig, data: DataSpec, non_uniform: Any, check_images: int,
+def deploy(loaded: LoadedModel, config: QuantConfig, data: DataSpec, non_uniform: Any, check_images: int,
            run: Run | None = None, batch_size: int = 32) -> Any:
     """The deployable ONNX QDQ form of ``config``, calibrated on ``data`` and checked in ONNX
     Runtime on ``check_images`` held-out samples (see ``vizq.ptq.deploy.prepare``)."""
@@ -156,7 +157,7 @@ def deploy(loaded: Any, config: QuantConfig, data: DataSpec, non_uniform: Any, c
                    calib_progress=run.phase("calibrating", "sites"))
 
 
-def sensitivity(loaded: Any, config: QuantConfig, data: DataSpec, n_eval: int, by: By = By.KIND,
+def sensitivity(loaded: LoadedModel, config: QuantConfig, data: DataSpec, n_eval: int, by: By = By.KIND,
                 mode: Mode = Mode.ONLY, run: Run | None = None) -> list[dict[str, Any]]:
     """Rank site kinds or blocks by what quantizing them (alone, or all but them) costs."""
     run = run or Run()
