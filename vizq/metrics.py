@@ -88,13 +88,22 @@ def token_relative_output_error(dx: Tensor, x: Tensor, weight: Tensor, eps: floa
     return (err / (ref + eps)[None]).mean(1, keepdim=True)
 
 
-def tensor_metrics(x: Tensor, xq: Tensor, probabilities: bool = False) -> dict[str, float]:
-    """All plain metrics; KL only where rows are probabilities."""
+def tensor_metrics(x: Tensor, xq: Tensor, probabilities: bool = False, signal: float | None = None,
+                   norm: float | None = None) -> dict[str, float]:
+    """All plain metrics (KL only where rows are probabilities), from one difference tensor;
+    ``signal`` (Σx²) and ``norm`` (‖x‖) may come precomputed when one x meets many x̂ (the lab).
+    Same float32 arithmetic as :func:`mse`, :func:`sqnr_db`, :func:`cosine`, :func:`max_abs_error`."""
+    a, b = x.float(), xq.float()
+    d2 = (a - b).pow(2)
+    noise = float(d2.sum())
+    signal = float(a.pow(2).sum()) if signal is None else signal
+    norm = float(a.flatten().norm()) if norm is None else norm
+    den = norm * float(b.flatten().norm())
     out = {
-        "mse": mse(x, xq),
-        "sqnr_db": sqnr_db(x, xq),
-        "cosine": cosine(x, xq),
-        "max_abs_error": max_abs_error(x, xq),
+        "mse": float(d2.mean()),
+        "sqnr_db": math.inf if noise == 0 else 10 * math.log10(max(signal, _EPS) / noise),
+        "cosine": float(a.flatten() @ b.flatten()) / den if den > 0 else (1.0 if torch.equal(a, b) else 0.0),
+        "max_abs_error": float(d2.max().sqrt()) if d2.numel() else 0.0,
     }
     if probabilities:
         out["kl"] = kl_rows(x, xq)
