@@ -64,7 +64,8 @@ with guard("Running the quantizers"):
         levels[label] = lv if lv.dim() == 1 else lv[0]
         outs[label] = xq
 elapsed = 1000 * (time.perf_counter() - t0)
-st.caption(f"{inp.kind} tensor {tuple(inp.x.shape)} from {cap.num_images} captured {units(lm)} · "
+st.caption(f"{inp.kind} tensor {tuple(inp.x.shape)}: the {len(cap.reservoir_ids)} of {cap.num_images} captured "
+           f"{units(lm)} kept whole · "
            f"updated in **{elapsed:.0f} ms** for {len(choices)} quantizers (results kept per quantizer; "
            f"the ms column is each one's own calibration + quantization time)"
            + (" · per-group levels: the first group's are drawn" if any(o for _, _, o in choices) else ""))
