@@ -274,7 +274,7 @@ class Calibration:
 
 def calibrate(loaded: LoadedModel, config: QuantConfig, data: DataSpec | str | None = None, device: str | torch.device = "cpu",
               progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
-              for_eval: bool = True) -> Calibration:
+              for_eval: bool = True, recon_progress: Progress | None = None) -> Calibration:
     """Calibrate ``config`` on the seeded calibration samples of ``data``; the one way every
     caller (CLI, pages, evaluation) builds a calibrated model, so all use the same data."""
     t0 = time.time()
@@ -285,13 +285,13 @@ def calibrate(loaded: LoadedModel, config: QuantConfig, data: DataSpec | str | N
     loaded.model.to(device)
     qmodel.to(device)
     calib = [c.to(device) for c in calib] if isinstance(calib, list) else calib.to(device)
-    qmodel.calibrate(calib, progress=progress, cancel=cancel)
+    qmodel.calibrate(calib, progress=progress, cancel=cancel, recon_progress=recon_progress)
     return Calibration(qmodel, ids, skipped, time.time() - t0)
 
 
 def calibrate_shared(loaded: LoadedModel, config: QuantConfig, data: DataSpec | str | None, ctx: Context,
                      progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
-                     for_eval: bool = True) -> Calibration:
+                     for_eval: bool = True, recon_progress: Progress | None = None) -> Calibration:
     """Under torchrun: rank 0 calibrates and sends the calibrated state to every rank.
 
     One calibration rather than one per rank: it is the single source of truth (GPU kernels
@@ -300,8 +300,8 @@ def calibrate_shared(loaded: LoadedModel, config: QuantConfig, data: DataSpec | 
     from .export import restore, snapshot
 
     if not ctx.active:
-        return calibrate(loaded, config, data, ctx.device, progress, cancel, for_eval)
-    cal = calibrate(loaded, config, data, ctx.device, progress, cancel, for_eval) if ctx.main else None
+        return calibrate(loaded, config, data, ctx.device, progress, cancel, for_eval, recon_progress)
+    cal = calibrate(loaded, config, data, ctx.device, progress, cancel, for_eval, recon_progress) if ctx.main else None
     payload = broadcast_object(
         (snapshot(cal.qmodel, cal.image_ids), cal.image_ids, cal.skipped, cal.seconds) if cal else None, ctx)
     if cal is not None:
@@ -314,14 +314,16 @@ def calibrate_shared(loaded: LoadedModel, config: QuantConfig, data: DataSpec | 
 def run_eval(loaded: LoadedModel, config: QuantConfig, data: DataSpec | str | None = None, n_eval: int = 1000, device: str = "cpu",
              batch_size: int = 64, progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
              qmodel: QuantizedModel | None = None, ctx: Context | None = None,
-             calib_progress: Progress | None = None) -> tuple[EvalResult, QuantizedModel]:
+             calib_progress: Progress | None = None,
+             recon_progress: Progress | None = None) -> tuple[EvalResult, QuantizedModel]:
     """Calibrate (unless ``qmodel`` is given, e.g. reloaded from an export) and evaluate;
     under torchrun (``ctx``) calibration is shared from rank 0 and evaluation is sharded.
     ``calib_progress`` and ``progress`` report the two phases separately (sites, then images)."""
     ctx = ctx or Context(device=str(device))
     n_cal, t_cal, skipped = 0, 0.0, []
     if qmodel is None:
-        cal = calibrate_shared(loaded, config, data, ctx, progress=calib_progress, cancel=cancel)
+        cal = calibrate_shared(loaded, config, data, ctx, progress=calib_progress, cancel=cancel,
+                               recon_progress=recon_progress)
         qmodel, n_cal, t_cal, skipped = cal.qmodel, len(cal.image_ids), cal.seconds, cal.skipped
     images, idx = eval_split(loaded, config, data, n_eval)
     fn = evaluate_embeddings if loaded.info.modality == "text" else evaluate

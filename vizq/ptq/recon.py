@@ -41,6 +41,8 @@ def reconstruct(qm: Any, fp_model: nn.Module, calib: torch.Tensor | list[torch.T
     """Reconstruct every block in order; returns the Linear modules whose weights changed."""
     blocks = [s.module for s in qm.sites if s.kind == "residual"]
     changed: list[str] = []
+    if progress:
+        progress(0, len(blocks), "")
     for bi, path in enumerate(blocks):
         if cancel and cancel():
             raise Cancelled("reconstruction cancelled; nothing was written")
@@ -56,6 +58,8 @@ def reconstruct(qm: Any, fp_model: nn.Module, calib: torch.Tensor | list[torch.T
         try:
             with torch.enable_grad():
                 for it in range(iters):
+                    if cancel and cancel():  # every step: a block's steps can take minutes on a CPU
+                        raise Cancelled("reconstruction cancelled; nothing was written")
                     k = it % len(inputs)
                     subs = {f"{p[len(path) + 1:]}.weight": w + (qm.weights[p].fake_quant(w) - w).detach()
                             for p, w in params.items()}

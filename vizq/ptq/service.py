@@ -54,7 +54,8 @@ def calibrate(loaded: LoadedModel, config: QuantConfig, data: DataSpec, run: Run
     run = run or Run()
     ctx = ctx or Context(device=str(run.device))
     return calibrate_shared(loaded, config, DataSpec.of(data), ctx, progress=run.phase("calibrating", "sites"),
-                            cancel=run.cancel, for_eval=for_eval)
+                            cancel=run.cancel, for_eval=for_eval,
+                            recon_progress=run.phase("reconstructing", "blocks"))
 
 
 def evaluate(loaded: LoadedModel, config: QuantConfig, data: DataSpec, n_eval: int, run: Run | None = None,
@@ -66,7 +67,8 @@ def evaluate(loaded: LoadedModel, config: QuantConfig, data: DataSpec, n_eval: i
         raise InputError(f"evaluate at least 1 {_units(loaded)[:-1]}, not {n_eval}")
     res, qm = run_eval(loaded, config, DataSpec.of(data), n_eval, str(run.device), batch_size,
                        progress=run.phase("evaluating", _units(loaded)), cancel=run.cancel, qmodel=qmodel, ctx=ctx,
-                       calib_progress=run.phase("calibrating", "sites"))
+                       calib_progress=run.phase("calibrating", "sites"),
+                       recon_progress=run.phase("reconstructing", "blocks"))
     if qmodel is None:
         qm.remove_hooks()
     return res
