@@ -296,3 +296,18 @@ def test_sweep_never_writes_into_a_folder_it_did_not_start(tmp_path, capsys):
     code, _, err = cli(capsys, "sweep", "--methods", "minmax", "--bits", "4/4", "--images", "5", "--out", str(tmp_path))
     one_line_error(code, err, "not a vizq sweep folder")
     assert (tmp_path / "results.json").read_text() == "mine"
+
+
+def test_a_zip_that_is_not_an_export_is_one_clear_line(capsys, tmp_path):
+    import zipfile
+
+    not_export = tmp_path / "notexport.zip"
+    with zipfile.ZipFile(not_export, "w") as z:
+        z.writestr("a/readme.txt", "hi")
+    evil = tmp_path / "evil.zip"
+    with zipfile.ZipFile(evil, "w") as z:
+        z.writestr("../x/manifest.json", "{}")
+    for path, words in ((not_export, "not a zipped vizq export"), (evil, "unsafe member names")):
+        code, _, err = cli(capsys, "eval", "--config", str(path), "--images", "10")
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path.parent / "x").exists()  # nothing was extracted outside
