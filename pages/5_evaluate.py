@@ -14,6 +14,12 @@ lm = current_model()
 s = st.session_state
 data = current_data()
 unit = "sentences" if lm.info.modality == "text" else "images"
+
+
+def count(n, what=unit):
+    return f"{n} {what[:-1] if n == 1 else what}"
+
+
 st.markdown(f"**Data:** {data.label(lm)} — calibration and evaluation both come from it, disjoint.")
 if lm.info.modality == "text":
     st.info("Sentence encoder: evaluation compares quantized with full-precision embeddings (mean cosine) and "
@@ -25,10 +31,10 @@ n_eval = kept(st.number_input, f"Evaluation {unit} (disjoint from calibration)",
               max_value=50000, step=50)
 with guard("Reading the data"):
     will = service.counts(lm, cfg, data, int(n_eval))
-st.caption(f"This run will calibrate on {will.calib} training {unit} and evaluate on {will.eval} of the {will.pool} "
-           f"held-out ones." if will.own_split else
-           f"This run will calibrate on {will.calib} and evaluate on {will.eval} {unit}: the data holds {will.pool}, "
-           f"and calibration never takes more than half of a pool it shares with evaluation.")
+st.caption(f"This run will calibrate on {count(will.calib)} of the training split and evaluate on {will.eval} of "
+           f"the {will.pool} held-out ones." if will.own_split else
+           f"This run will calibrate on {count(will.calib)} and evaluate on {count(will.eval)}: the data holds "
+           f"{will.pool}, and calibration never takes more than half of a pool it shares with evaluation.")
 
 
 def evaluate_and_record(lm, cfg, data, n_eval, run):
@@ -39,8 +45,7 @@ def evaluate_and_record(lm, cfg, data, n_eval, run):
 
 
 def summary(rec):
-    parts = [f"calibrated on {rec['calib_images']} {unit}, evaluated on {rec['eval_images']} {unit} "
-             f"({data.label(lm)})"]
+    parts = [f"calibrated on {count(rec['calib_images'])}, evaluated on {count(rec['eval_images'])} ({data.label(lm)})"]
     if rec.get("q_top1") is not None:
         parts.append(f"top-1 {rec['q_top1']:.2f}% (FP {rec['fp_top1']:.2f}%)")
     elif lm.info.modality == "image":
@@ -77,7 +82,10 @@ hist = [r for r in load_history() if r.get("model") == lm.info.model_id
 st.subheader(f"History for {lm.info.model_id} on this data ({len(hist)} runs, kept on disk)")
 st.caption("Only runs on the data shown above; runs on other data are kept but never drawn on the same line.")
 if hist:
-    metric = st.radio("Metric", ["q_top1", "agreement", "kl"], horizontal=True)
+    # only the metrics these runs have: label-free data has no top-1 to choose
+    metrics = [m for m in ("q_top1", "agreement", "kl") if any(r.get(m) is not None for r in hist)]
+    metric = st.radio("Metric", metrics, horizontal=True, format_func={
+        "q_top1": "top-1 (%)", "agreement": "agreement with FP (%)", "kl": "KL(FP‖Q)"}.get)
     chart(*plots.accuracy_vs_bits(hist, metric), "history-chart")
     cols = ["time", "preset", "wbits", "abits", "calib_images", "eval_images", "fp_top1", "q_top1", "agreement", "kl",
             "seconds_calibrate", "seconds_eval"]

@@ -136,5 +136,5 @@ def test_three_uploaded_images_are_what_evaluate_uses_and_nothing_leaves_the_mac
         page.screenshot(path=str(tmp_path / "upload-eval.png"), full_page=True)
         browser.close()
     assert "3 uploaded file(s)" in text and "no labels" in text, text
-    assert "calibrated on 1 images, evaluated on 2 images" in text, text
+    assert "calibrated on 1 image, evaluated on 2 images" in text, text
     assert outside == [], outside[:5]

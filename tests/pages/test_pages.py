@@ -171,11 +171,11 @@ def test_uploads_are_the_data_evaluate_uses_and_history_records_it(app):
     assert any("3 uploaded file(s)" in m.value for m in at.sidebar.markdown)
     at = _goto(at, "pages/5_evaluate.py")
     assert any("3 uploaded file(s)" in m.value for m in at.markdown)  # what the page says it uses
-    assert any("calibrate on 1 and evaluate on 2 images: the data holds 3" in c.value for c in at.caption)
+    assert any("calibrate on 1 image and evaluate on 2 images: the data holds 3" in c.value for c in at.caption)
     next(b for b in at.button if b.label == "Run evaluation").click().run()
     at = _wait(at, lambda at: any("agreement" in s.value for s in at.success))
     text = next(s.value for s in at.success if "agreement" in s.value)
-    assert "calibrated on 1 images, evaluated on 2 images (3 uploaded file(s))" in text and "no labels" in text, text
+    assert "calibrated on 1 image, evaluated on 2 images (3 uploaded file(s))" in text and "no labels" in text, text
     rec = load_history()[-1]
     assert rec["data"]["source"] == "upload" and rec["data"]["files"] == ["p0.png", "p1.png", "p2.png"]
     assert rec["calib_images"] == 1 and rec["eval_images"] == 2
