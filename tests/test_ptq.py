@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -317,3 +318,17 @@ def test_overrides_are_typed_rules_in_application_order():
     assert rules[1].bits == 8 and rules[1].quantizer is None and rules[2].enabled is False
     with pytest.raises(ConfigError, match=r"overrides\['x'\].bits=True"):
         QuantConfig(overrides={"x": {"bits": True}})
+
+
+def test_eta_is_unknown_until_a_unit_has_been_timed():
+    from vizq.progress import Reporter
+
+    steps = []
+    cb = Reporter(steps.append).phase("calibrating", "sites")
+    cb(1, 100, "first report arrives late")  # the time spent on unit 1 is unknown
+    assert steps[-1].eta is None and "ETA ?" in steps[-1].line()
+    time.sleep(0.05)
+    cb(2, 100, "")
+    assert steps[-1].eta is not None and 3.0 < steps[-1].eta < 30.0  # ~0.05 s per unit, 98 left
+    cb(100, 100, "")
+    assert steps[-1].eta is None and "ETA" not in steps[-1].line()

@@ -59,15 +59,18 @@ class Reporter:
             raise Cancelled("cancelled; nothing was written")
 
     def phase(self, name: str, unit: str) -> Progress:
-        """The callback for phase ``name``; its clock starts at its first call."""
-        t0: list[float] = []
+        """The callback for phase ``name``. Its clock starts at its first call, and the rate is
+        measured from there: units already done at that call took unknown time, so they do not
+        count (a phase first reported at 1/100 must not claim ETA 0 s)."""
+        start: list[tuple[float, int]] = []
 
         def report(done: int, total: int, detail: str = "") -> None:
             self.check()
             now = time.time()
-            if not t0:
-                t0.append(now)
-            eta = (now - t0[0]) / done * (total - done) if done and total and done < total else None
+            if not start:
+                start.append((now, done))
+            t0, d0 = start[0]
+            eta = (now - t0) / (done - d0) * (total - done) if total and d0 < done < total else None
             if self.sink is not None:
                 self.sink(Step(name, done, total, unit, detail, eta))
 

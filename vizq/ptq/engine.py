@@ -217,6 +217,8 @@ class QuantizedModel(nn.Module):
         # calibrated (in network order), the fold and weight recalibration as the last one.
         total = len(self.acts) + 2
         self._ticks = (progress, cancel, total, [0])
+        if progress:
+            progress(0, total, "quantizing weights")  # starts the phase's clock
         self._tick("quantizing weights")
         self._quantize_weights()
         for aq in self.acts.values():
