@@ -62,14 +62,15 @@ class Reporter:
         """The callback for phase ``name``. Its clock starts at its first call, and the rate is
         measured from there: units already done at that call took unknown time, so they do not
         count (a phase first reported at 1/100 must not claim ETA 0 s)."""
-        start: list[tuple[float, int]] = []
+        marks: list[tuple[float, int]] = []  # (time, done) at the phase's start and at the last call
 
         def report(done: int, total: int, detail: str = "") -> None:
             self.check()
             now = time.time()
-            if not start:
-                start.append((now, done))
-            t0, d0 = start[0]
+            if not marks or done < marks[1][1]:  # first call, or the phase started over (a second pass)
+                marks[:] = [(now, done), (now, done)]
+            t0, d0 = marks[0]
+            marks[1] = (now, done)
             eta = (now - t0) / (done - d0) * (total - done) if total and d0 < done < total else None
             if self.sink is not None:
                 self.sink(Step(name, done, total, unit, detail, eta))
