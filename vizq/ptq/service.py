@@ -1,6 +1,7 @@
-"""The service layer: the four things a user asks of vizq, each one call.
+"""The service layer: what a user asks of vizq, each one call.
 
-``calibrate``, ``evaluate``, ``export`` (vizq folder, zip, or ONNX), ``sensitivity`` — each takes
+``calibrate``, ``evaluate``, ``export`` / ``export_zip`` / ``reload``, ``deploy`` (ONNX),
+``sensitivity`` and ``counts`` (what a run will use) — each takes
 the loaded model, a :class:`QuantConfig`, a :class:`DataSpec` and a :class:`Run` (device,
 progress, cancel). The CLI and every dashboard page call only these: no page builds a
 calibration batch or decides which data to use, so the data a result reports is the data the
