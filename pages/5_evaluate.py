@@ -7,13 +7,13 @@ from vizq.ptq import service
 from vizq.runs import append_run, clear_history, load_history
 from vizq.ui import jobs
 from vizq.ui.presets import config_form
-from vizq.ui.state import chart, chart_table, current_data, current_model, guard, kept
+from vizq.ui.state import chart, chart_table, current_data, current_model, guard, kept, units
 
 st.title("Evaluate")
 lm = current_model()
 s = st.session_state
 data = current_data()
-unit = "sentences" if lm.info.modality == "text" else "images"
+unit = units(lm)
 
 
 def count(n, what=unit):

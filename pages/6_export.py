@@ -11,7 +11,7 @@ from vizq.ptq.config import QuantConfig
 from vizq.ptq.deploy import NonUniform, archive, first_difference
 from vizq.ui import jobs
 from vizq.ui.presets import config_form
-from vizq.ui.state import chart, current_data, current_model, guard, kept
+from vizq.ui.state import chart, current_data, current_model, guard, kept, units
 
 st.title("Export")
 lm = current_model()
@@ -31,7 +31,7 @@ if st.button("Calibrate and build the export", type="primary"):
 jobs.show("export-job", lambda arc: s.update(export_archive=arc))
 if s.get("export_archive"):
     arc = s.export_archive
-    st.success(f"Calibrated on {arc.calib_images} {'sentences' if lm.info.modality == 'text' else 'images'} "
+    st.success(f"Calibrated on {arc.calib_images} {units(lm)} "
                f"of {data.label(lm)}. The zip reloads as it is (below, or `python -m vizq evaluate --from-export ZIP`).")
     if arc.skipped:
         st.warning(f"{len(arc.skipped)} calibration file(s) could not be read and were skipped: " + "; ".join(arc.skipped[:5]))
