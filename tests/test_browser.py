@@ -83,6 +83,10 @@ def test_every_page_in_a_real_browser(server):
             if charts:
                 page.wait_for_function(f"document.querySelectorAll('.js-plotly-plot').length >= {charts}", timeout=120_000)
             if title == "Evaluate":
+                box = page.get_by_label("Evaluation images (disjoint from calibration)")
+                box.fill("100")
+                box.press("Enter")  # a short run: this walk checks the page, not the numbers
+                page.get_by_text("evaluate on 100 of the").first.wait_for(timeout=60_000)
                 page.get_by_role("button", name="Run evaluation").click()
                 page.get_by_text("agreement", exact=False).first.wait_for(timeout=180_000)
                 page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 1", timeout=60_000)
