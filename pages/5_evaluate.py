@@ -79,7 +79,7 @@ if s.get("last_sqnr"):
 key = data.key()
 hist = [r for r in load_history() if r.get("model") == lm.info.model_id
         and (r.get("data") or {}).get("key", "not recorded") == key]
-st.subheader(f"History for {lm.info.model_id} on this data ({len(hist)} runs, kept on disk)")
+st.subheader(f"History for {lm.info.model_id} on this data ({count(len(hist), 'runs')}, kept on disk)")
 st.caption("Only runs on the data shown above; runs on other data are kept but never drawn on the same line.")
 if hist:
     # only the metrics these runs have: label-free data has no top-1 to choose
