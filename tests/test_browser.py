@@ -75,6 +75,7 @@ def test_every_page_in_a_real_browser(server):
                                     args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                                           "--disable-component-update", "--disable-sync", "--no-first-run"])
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(120_000)  # a loaded 2-core CI machine can take over 30 s to redraw a page
         page.goto(server, wait_until="networkidle")
         page.get_by_role("heading", name="Model & data").first.wait_for(timeout=120_000)
         for i, (title, charts) in enumerate(PAGES):
@@ -122,6 +123,7 @@ def test_three_uploaded_images_are_what_evaluate_uses_and_nothing_leaves_the_mac
     with sync_playwright() as p:
         browser = _browser(p)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(120_000)
         page.on("request", lambda r: None if r.url.split("//", 1)[-1].startswith(host) or r.url.startswith(("data:", "blob:"))
                 else outside.append(r.url))
         page.goto(server, wait_until="networkidle")
