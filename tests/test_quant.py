@@ -110,6 +110,24 @@ def test_adalog_base_37_equals_log2(bits):
     assert torch.equal(a.fake_quant(p), l2.fake_quant(p))
 
 
+@pytest.mark.parametrize("bits", [3, 4])
+def test_adalog_level_table_is_the_hardware_dequantization_bit_for_bit(bits):
+    """AdaLog reads levels from a per-scale table; the hardware form shifts by floor(c·q/37) and
+    looks up 2^(-j/37) in 16-bit fixed point for each value. Both must give the same bits."""
+    from vizq.quant.logq import ADALOG_R, adalog_table
+
+    p = _data()["probs"]
+    a = get_quantizer("adalog", bits).calibrate(p)
+    s, q = a.state["scale"].reshape(()), a.state["base_q"].reshape(())
+    code = torch.round(-torch.log2((p / s).clamp_min(torch.finfo(torch.float32).tiny)) * ADALOG_R / q)
+    e = code.clamp(0, 2**bits - 1) * q
+    shift = torch.floor(e / ADALOG_R)
+    hw = s * torch.exp2(-shift) * adalog_table()[(e - shift * ADALOG_R).long()]
+    ref = torch.where(code >= 2**bits, torch.zeros_like(p), hw)
+    assert torch.equal(a.fake_quant(p), ref)
+    assert float(q) != 37  # a searched base, not plain log2
+
+
 def test_log2_matches_fqvit_formula():
     p = _data()["probs"]
     q = get_quantizer("log2", 4).calibrate(p)

@@ -40,7 +40,7 @@ class LabInput:
         if self.kind == "post_softmax":
             p = ref["x"].clamp_min(0)
             p = p / p.sum(-1, keepdim=True).clamp_min(metrics.EPS)
-            ref["p"], ref["logp"] = p, torch.log(p.clamp_min(metrics.EPS))
+            ref["p"], ref["plogp"] = p, metrics.neg_entropy(p)
         if self.v is not None:
             ref["pv"] = ref["x"] @ self.v.float()
         if self.weight is not None and self.x.shape[-1] == self.weight.shape[1]:
@@ -116,7 +116,7 @@ def run_quantizer(inp: LabInput, name: str, bits: int | None, options: dict[str,
     ref = inp.reference
     row.update(metrics.tensor_metrics(ref["x"], xq, signal=float(ref["signal"]), norm=float(ref["norm"])))
     if "p" in ref:
-        row["kl"] = metrics.kl_to(ref["p"], ref["logp"], xq)
+        row["kl"] = metrics.kl_to(ref["p"], ref["plogp"], xq)
     if "pv" in ref:
         row["attn_output_error"] = metrics.relative_error(ref["pv"], xq.float() @ inp.v.float())
     if "xw" in ref:

@@ -44,16 +44,24 @@ def kl_rows(p: Tensor, pq: Tensor) -> float:
     """
     p = p.float().clamp_min(0)
     p = p / p.sum(-1, keepdim=True).clamp_min(_EPS)
-    return kl_to(p, torch.log(p.clamp_min(_EPS)), pq)
+    return kl_to(p, neg_entropy(p), pq)
 
 
-def kl_to(p: Tensor, logp: Tensor, pq: Tensor) -> float:
-    """:func:`kl_rows` against a reference already normalised (``p``) with its log: the lab
-    compares many quantizers with one reference and computes its side once."""
+def neg_entropy(p: Tensor) -> Tensor:
+    """Σ p·log p per row (zeros contribute 0): the reference's half of KL, computed once when
+    many quantized versions meet one reference (the lab)."""
+    return torch.where(p > 0, p * torch.log(p.clamp_min(_EPS)), 0.0).sum(-1)
+
+
+def kl_to(p: Tensor, plogp: Tensor, pq: Tensor) -> float:
+    """:func:`kl_rows` against a reference already normalised (``p``), given its
+    :func:`neg_entropy`: KL = Σ p·log p − Σ p·log p̂, the second sum one dot product per row.
+    Where p = 0 the term is 0 as in the textbook form (log p̂ is floored, hence finite); two
+    passes over the quantized side instead of six made the lab's KL 3× cheaper."""
     q = pq.float().clamp_min(0)
-    q = q / q.sum(-1, keepdim=True).clamp_min(_EPS)
-    kl = torch.where(p > 0, p * (logp - torch.log(q.clamp_min(_EPS))), 0.0)
-    return float(kl.sum(-1).mean())
+    logq = q.div_(q.sum(-1, keepdim=True).clamp_min_(_EPS)).clamp_min_(_EPS).log_()
+    cross = torch.linalg.vecdot(p, logq)
+    return float((plogp - cross).mean())
 
 
 def relative_error(ref: Tensor, approx: Tensor) -> float:
@@ -92,18 +100,19 @@ def tensor_metrics(x: Tensor, xq: Tensor, probabilities: bool = False, signal: f
                    norm: float | None = None) -> dict[str, float]:
     """All plain metrics (KL only where rows are probabilities), from one difference tensor;
     ``signal`` (Σx²) and ``norm`` (‖x‖) may come precomputed when one x meets many x̂ (the lab).
-    Same float32 arithmetic as :func:`mse`, :func:`sqnr_db`, :func:`cosine`, :func:`max_abs_error`."""
-    a, b = x.float(), xq.float()
-    d2 = (a - b).pow(2)
-    noise = float(d2.sum())
-    signal = float(a.pow(2).sum()) if signal is None else signal
-    norm = float(a.flatten().norm()) if norm is None else norm
-    den = norm * float(b.flatten().norm())
+    Sums are float32 dot products, so values agree with :func:`mse`, :func:`sqnr_db` and
+    :func:`cosine` to float32 rounding (summation order differs), not bit for bit."""
+    a, b = x.float().reshape(-1), xq.float().reshape(-1)
+    d = a - b
+    noise = float(d @ d)  # dot products: one fused pass each, no squared copy
+    signal = float(a @ a) if signal is None else signal
+    norm = math.sqrt(signal) if norm is None else norm
+    den = norm * math.sqrt(float(b @ b))
     out = {
-        "mse": float(d2.mean()),
+        "mse": noise / d.numel() if d.numel() else 0.0,
         "sqnr_db": math.inf if noise == 0 else 10 * math.log10(max(signal, _EPS) / noise),
-        "cosine": float(a.flatten() @ b.flatten()) / den if den > 0 else (1.0 if torch.equal(a, b) else 0.0),
-        "max_abs_error": float(d2.max().sqrt()) if d2.numel() else 0.0,
+        "cosine": float(a @ b) / den if den > 0 else (1.0 if torch.equal(a, b) else 0.0),
+        "max_abs_error": float(d.abs_().max()) if d.numel() else 0.0,
     }
     if probabilities:
         out["kl"] = kl_rows(x, xq)

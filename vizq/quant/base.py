@@ -363,6 +363,12 @@ def table_lookup(table: Tensor, codes: Tensor) -> Tensor:
     evaluating exp2/tan elementwise instead can differ by an ulp between vector and scalar code.
     """
     lead, n = table.shape[:-1], table.shape[-1]
+    if lead and lead[-1] == 1 and codes.dim() == len(lead):
+        # the [..., 1] parameter convention: one gather along the levels, no flat index
+        # arithmetic in int64 (3x faster on the range searches' [K, G, M] candidates)
+        t = table.squeeze(-2)
+        shape = torch.broadcast_shapes(t.shape[:-1], codes.shape[:-1])
+        return torch.gather(t.expand(*shape, n), -1, codes.long().expand(*shape, codes.shape[-1]))
     gidx = torch.arange(max(1, lead.numel()), device=table.device).reshape(lead) if lead else torch.tensor(0)
     return table.reshape(-1)[gidx * n + codes.long()]
 

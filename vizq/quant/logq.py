@@ -208,10 +208,11 @@ class AdaLogQuantizer(MagnitudeQuantizer):
             best = self._search(cand)
         return best
 
-    def _codes(self, a: Tensor, p: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        c = torch.round(-log2_safe(a / p["scale"]) * ADALOG_R / p["base_q"])
-        zero = c >= self.n_codes
-        return c.clamp(0, self.n_codes - 1), zero
+    def _codes(self, a: Tensor, p: dict[str, Tensor]) -> Tensor:
+        """round(-log2(a/s)·37/q) clamped to [0, n]; code n (past the last level) means 0.
+        In place after the first division: the range search runs this on [K, G, M] candidates."""
+        c = (a / p["scale"]).clamp_min_(torch.finfo(torch.float32).tiny).log2_()  # = log2_safe(a / s)
+        return c.neg_().mul_(ADALOG_R).div_(p["base_q"]).round_().clamp_(0, self.n_codes)
 
     def _dequant(self, c: Tensor, p: dict[str, Tensor]) -> Tensor:
         e = c * p["base_q"]
@@ -219,14 +220,20 @@ class AdaLogQuantizer(MagnitudeQuantizer):
         idx = (e - shift * ADALOG_R).long().clamp(0, ADALOG_R - 1)
         return p["scale"] * torch.exp2(-shift) * adalog_table().to(c.device)[idx]
 
+    def _table(self, p: dict[str, Tensor]) -> Tensor:
+        """[*P, n + 1]: the n levels as the hardware dequantizes them (shift + table), then 0.
+        One gather per value instead of the shift/lookup arithmetic per value (same bits:
+        the shift is an exact power of two and the rest is one IEEE product per level)."""
+        c = torch.arange(self.n_codes, dtype=torch.float32, device=p["scale"].device)
+        lv = self._dequant(c, {"scale": p["scale"][..., None], "base_q": p["base_q"][..., None]})
+        return torch.cat([lv, torch.zeros_like(lv[..., :1])], -1)
+
     def _mag(self, a: Tensor, p: dict[str, Tensor]) -> Tensor:
-        c, zero = self._codes(a, p)
-        return torch.where(zero, torch.zeros_like(a), self._dequant(c, p))
+        return table_lookup(self._table(p), self._codes(a, p))
 
     def _mag_levels(self, p: dict[str, Tensor]) -> Tensor:
-        c = torch.arange(self.n_codes, dtype=torch.float32, device=p["scale"].device)[None]
-        lv = self._dequant(c, {"scale": p["scale"][:, None], "base_q": p["base_q"][:, None]})
-        return torch.cat([torch.zeros_like(lv[:, :1]), lv], 1)
+        lv = self._table(p)
+        return torch.cat([lv[:, -1:], lv[:, :-1]], 1)  # 0 first, then the levels
 
 
 # ---------------------------------------------------------------- SULQ
