@@ -38,7 +38,8 @@ PRESETS: dict[str, Preset] = {
     for p in (
         Preset("minmax", "per-tensor uniform min/max everywhere (naive baseline)", {},
                ("uniform", {"method": "minmax"}), ("uniform", {"method": "minmax"})),
-        Preset("ptq4vit", "twin-uniform softmax and GELU, MSE-searched uniform elsewhere (no Hessian)",
+        Preset("ptq4vit", "twin-uniform softmax and GELU, MSE-searched uniform elsewhere, per-channel weights "
+               "(the paper's code: Hessian-scored searches, per-tensor weights; not compared side by side)",
                {"post_softmax": ("twin", {"mode": "softmax"}), "post_gelu": ("twin", {"mode": "gelu"})},
                ("uniform", {"method": "mse"}), ("uniform", {"granularity": "out_channel", "method": "mse"}),
                paper="PTQ4ViT (ECCV'22)"),
@@ -51,14 +52,18 @@ PRESETS: dict[str, Preset] = {
                "exact integer-zero-point fold, finer log√2 scale search",
                {"post_ln": _LN_PC, "post_softmax": ("logsqrt2", {"method": "mse"})},
                ("uniform", _PCT), _W_PC, reparam="mean_int", patch_input=("uniform", _PCT), token_relative=True),
-        Preset("dopq", "TanQ softmax, post-LN folded with the median scale (MOSF), no reconstruction",
+        Preset("dopq", "TanQ softmax (our reading of the paper: DopQ-ViT has no public code), post-LN folded with the "
+               "median scale (MOSF), no reconstruction",
                {"post_ln": _LN_PC, "post_softmax": ("tanq", {})},
                ("uniform", _PCT), _W_PC, reparam="median", paper="DopQ-ViT", patch_input=("uniform", _PCT)),
-        Preset("adalog", "AdaLog softmax and post-GELU (bias-shifted), searches scored on layer output",
+        Preset("adalog", "AdaLog's searched-base log quantizers for softmax and bias-shifted post-GELU (output-scored) on "
+               "RepQ-ViT's calibration; the released code searches every uniform range by layer output instead "
+               "(README: side by side)",
                {"post_ln": _LN_PC, "post_softmax": ("adalog", {}), "post_gelu": ("adalog", {"signed": False})},
                ("uniform", _PCT), _W_PC, reparam="mean", shifts={"post_gelu": GELU_SHIFT}, paper="AdaLog (ECCV'24)",
                patch_input=("uniform", _PCT), score_images=8),
-        Preset("ias", "SULQ softmax, per-channel post-LN folded (mean); optional block reconstruction",
+        Preset("ias", "SULQ softmax, per-channel post-LN folded (mean); optional block reconstruction (the released "
+               "code always reconstructs; not compared side by side)",
                {"post_ln": _LN_PC, "post_softmax": ("sulq", {})},
                ("uniform", _PCT), _W_PC, reparam="mean", paper="I&S-ViT", patch_input=("uniform", _PCT)),
         Preset("fp8", "FP8 E4M3 activations (per-tensor scale) and weights (per-channel scale)", {},

@@ -18,9 +18,10 @@ def config_form(prefix: str = "cfg") -> QuantConfig:
     """The config the user built (raises ConfigError when it does not validate)."""
     c1, c2, c3 = st.columns([2, 1, 1])
     method = kept(c1.selectbox, "Preset", f"{prefix}-method", "repq", options=list(PRESETS),
-                  format_func=lambda m: f"{m} — {PRESETS[m].description}")
+                  format_func=lambda m: f"{m} ({PRESETS[m].paper})" if PRESETS[m].paper else m)
     wbits = kept(c2.selectbox, "W bits", f"{prefix}-w", 4, options=[2, 3, 4, 5, 6, 8])
     abits = kept(c3.selectbox, "A bits", f"{prefix}-a", 4, options=[2, 3, 4, 5, 6, 8])
+    st.caption(f"**{method}**: {PRESETS[method].description}")  # in full: what it does and how faithful it is
     if PRESETS[method].fixed_format:
         st.caption(f"{method} is a fixed-width format: its own bit widths apply, not the W/A bits above.")
     c1, c2, c3 = st.columns(3)
