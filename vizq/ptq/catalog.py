@@ -25,7 +25,6 @@ class Preset:
     shifts: dict[str, float] = field(default_factory=dict)
     paper: str = ""
     patch_input: tuple[str, dict[str, Any]] = ("uniform", {"method": "minmax"})  # at PATCH_INPUT_BITS
-    score_images: int | None = None  # output-scored searches: images of the batch they use (None: all)
     token_relative: bool = False  # output-scored Linear inputs: per-token relative error (massive activations)
 
 
@@ -61,7 +60,7 @@ PRESETS: dict[str, Preset] = {
                "(README: side by side)",
                {"post_ln": _LN_PC, "post_softmax": ("adalog", {}), "post_gelu": ("adalog", {"signed": False})},
                ("uniform", _PCT), _W_PC, reparam="mean", shifts={"post_gelu": GELU_SHIFT}, paper="AdaLog (ECCV'24)",
-               patch_input=("uniform", _PCT), score_images=8),
+               patch_input=("uniform", _PCT)),
         Preset("ias", "SULQ softmax, per-channel post-LN folded (mean); optional block reconstruction (the released "
                "code always reconstructs; not compared side by side)",
                {"post_ln": _LN_PC, "post_softmax": ("sulq", {})},

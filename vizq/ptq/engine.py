@@ -99,7 +99,6 @@ class QuantizedModel(nn.Module):
         self.calibrated = False
         self._stash: dict[str, torch.Tensor] = {}
         self._score_on = config.preset in OUTPUT_SCORED
-        self._score_images = PRESETS[config.preset].score_images  # None: the whole batch
         for s in self.sites:
             spec = self.specs.get(s.name)
             if spec is None:
@@ -162,7 +161,7 @@ class QuantizedModel(nn.Module):
             return None
         if not aq.q.calibrated:
             score = self._score_for(site, x) if self._score_on else None
-            aq.calibrate(x[: self._score_images] if score else x, score=score)
+            aq.calibrate(x, score=score)
             out = aq(x)
             aq.compile(x)  # checked against the calibration tensor itself
             self._tick(site.name)
@@ -173,19 +172,20 @@ class QuantizedModel(nn.Module):
         return x + (out - x).detach() if self.ste else out
 
     def _score_for(self, site: Site, x: torch.Tensor) -> Callable | None:
-        """Score searches by the error of the operation the tensor feeds (AdaLog's FPCS)."""
+        """Score searches by the error of the operation the tensor feeds (AdaLog's FPCS), on the
+        whole calibration batch as the released code does: scoring on its first 8 of 32 images
+        (vizq's earlier shortcut) moved W4A4 top-1 on the real ViT-Ti by 15 points with the
+        calibration seed (44.9 % for one seed, 57–60 % for four others)."""
         if site.kind not in OUTPUT_SCORED.get(self.config.preset, ()):
             return None
-        xs = x[: self._score_images]
         if site.kind == "post_softmax":
             v = self._stash.get(site.name.rsplit(".", 1)[0] + ".v")
             if v is None:
                 return None
-            v = v[: xs.shape[0]]
 
             def attn_score(xq: torch.Tensor, xg: torch.Tensor) -> torch.Tensor:
                 k = xq.shape[0]
-                d = (xq - xg).reshape(k, *xs.shape) @ v
+                d = (xq - xg).reshape(k, *x.shape) @ v
                 return d.pow(2).flatten(1).mean(1, keepdim=True)
 
             return attn_score
@@ -195,7 +195,7 @@ class QuantizedModel(nn.Module):
 
         def linear_score(xq: torch.Tensor, xg: torch.Tensor) -> torch.Tensor:
             k = xq.shape[0]
-            d = (xq - xg).reshape(k, -1, xs.shape[-1]) @ w.T
+            d = (xq - xg).reshape(k, -1, x.shape[-1]) @ w.T
             return d.pow(2).flatten(1).mean(1, keepdim=True)
 
         return linear_score
