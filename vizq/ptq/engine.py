@@ -87,6 +87,7 @@ class QuantizedModel(nn.Module):
         self.model = copy.deepcopy(loaded.model)
         self._fp = [loaded.model]  # the float original, for reconstruction (a list: not a submodule)
         self.ste = False  # straight-through gradients through activation quantizers (reconstruction)
+        self.drop = 0.0  # QDrop: while reconstructing, keep this fraction of activation values in float
         self.recon_modules: list[str] = []
         self.info = loaded.info
         self.config = config
@@ -165,11 +166,27 @@ class QuantizedModel(nn.Module):
             out = aq(x)
             aq.compile(x)  # checked against the calibration tensor itself
             self._tick(site.name)
+        elif self.ste:
+            with torch.no_grad():  # the rounding is a constant to autograd (straight-through)
+                out = aq(x)
         else:
             out = aq(x)
         if site.kind == "v":
             self._stash[site.name] = out
-        return x + (out - x).detach() if self.ste else out
+        return self._straight_through(x, out) if self.ste else out
+
+    def _straight_through(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Reconstruction's forward: the quantized value with the identity's gradient; with
+        QDrop (``drop``) a random fraction of values stays in float, so the weights being tuned
+        do not overfit one fixed pattern of activation rounding. Both branches pass the
+        gradient straight through, so dropping is just a mask on the (detached) rounding error;
+        the mask comes from random bytes, four times cheaper than ``rand_like``."""
+        with torch.no_grad():
+            noise = out - x
+            if self.drop:
+                keep = torch.randint(0, 256, x.shape, dtype=torch.uint8, device=x.device) >= round(256 * self.drop)
+                noise.mul_(keep)
+        return x + noise
 
     def _score_for(self, site: Site, x: torch.Tensor) -> Callable | None:
         """Score searches by the error of the operation the tensor feeds (AdaLog's FPCS), on the

@@ -56,7 +56,7 @@ def calibrate(loaded: LoadedModel, config: QuantConfig, data: DataSpec, run: Run
     ctx = ctx or Context(device=str(run.device))
     return calibrate_shared(loaded, config, DataSpec.of(data), ctx, progress=run.phase("calibrating", "sites"),
                             cancel=run.cancel, for_eval=for_eval,
-                            recon_progress=run.phase("reconstructing", "blocks"))
+                            recon_progress=run.phase("reconstructing", "steps"))
 
 
 def evaluate(loaded: LoadedModel, config: QuantConfig, data: DataSpec, n_eval: int, run: Run | None = None,
@@ -69,7 +69,7 @@ def evaluate(loaded: LoadedModel, config: QuantConfig, data: DataSpec, n_eval: i
     res, qm = run_eval(loaded, config, DataSpec.of(data), n_eval, str(run.device), batch_size,
                        progress=run.phase("evaluating", _units(loaded)), cancel=run.cancel, qmodel=qmodel, ctx=ctx,
                        calib_progress=run.phase("calibrating", "sites"),
-                       recon_progress=run.phase("reconstructing", "blocks"))
+                       recon_progress=run.phase("reconstructing", "steps"))
     if qmodel is None:
         qm.remove_hooks()
     return res
