@@ -216,21 +216,6 @@ def test_step_function_fast_path_is_bit_exact(bundled_capture, name):
         assert torch.equal(step(probe), q.fake_quant(probe))
 
 
-def test_block_reconstruction_lowers_block_error_and_exports(tmp_path, bundled):
-    from vizq.ptq.recon import _block_tensors
-
-    x = random_images(bundled, 8)
-    base = QuantizedModel(bundled, QuantConfig(preset="ias", wbits=3, abits=8)).calibrate(x)
-    rec = QuantizedModel(bundled, QuantConfig(preset="ias", wbits=3, abits=8, recon_iters=30)).calibrate(x)
-    assert rec.recon_modules and all(m.startswith("blocks.") for m in rec.recon_modules)
-    target = _block_tensors(bundled.model, "blocks.0", x, inputs=False)[0]
-    err = [float((_block_tensors(q.model, "blocks.0", x, inputs=False)[0] - target).pow(2).mean()) for q in (base, rec)]
-    assert err[1] < err[0]
-    export(rec, tmp_path / "r")
-    with torch.no_grad():
-        assert torch.equal(load_export(tmp_path / "r", bundled)(x), rec(x))
-
-
 def test_fold_with_unquantized_consumer_weights_calibrates_and_reloads_bit_exactly(bundled, tmp_path):
     """Sensitivity's "post-LN only" variant: the LN folds into Linears whose weights stay float."""
     from vizq.ptq.config import QuantConfig

@@ -88,6 +88,7 @@ class QuantizedModel(nn.Module):
         self._fp = [loaded.model]  # the float original, for reconstruction (a list: not a submodule)
         self.ste = False  # straight-through gradients through activation quantizers (reconstruction)
         self.drop = 0.0  # QDrop: while reconstructing, keep this fraction of activation values in float
+        self.drop_rng: torch.Generator | None = None  # its random masks (seeded: results reproduce)
         self.recon_modules: list[str] = []
         self.info = loaded.info
         self.config = config
@@ -184,7 +185,8 @@ class QuantizedModel(nn.Module):
         with torch.no_grad():
             noise = out - x
             if self.drop:
-                keep = torch.randint(0, 256, x.shape, dtype=torch.uint8, device=x.device) >= round(256 * self.drop)
+                keep = torch.randint(0, 256, x.shape, dtype=torch.uint8, device=x.device,
+                                     generator=self.drop_rng) >= round(256 * self.drop)
                 noise.mul_(keep)
         return x + noise
 

@@ -117,6 +117,8 @@ def _train_block(qm: Any, path: str, rounding: dict[str, LearnedRounding], input
     block = qm.model.get_submodule(path)
     opt = torch.optim.Adam([r.v for r in rounding.values()], lr=LR)
     qm.ste, qm.drop = True, DROP
+    # the masks follow the calibration seed, so a run reproduces; its spread is the seed's (README)
+    qm.drop_rng = torch.Generator(inputs[0].device).manual_seed(qm.config.calibration.seed)
     try:
         with torch.enable_grad():
             for it in range(iters):
@@ -134,7 +136,7 @@ def _train_block(qm: Any, path: str, rounding: dict[str, LearnedRounding], input
                 loss.backward()
                 opt.step()
     finally:
-        qm.ste, qm.drop = False, 0.0
+        qm.ste, qm.drop, qm.drop_rng = False, 0.0, None
 
 
 def reconstruct(qm: Any, fp_model: nn.Module, calib: torch.Tensor | list[torch.Tensor], iters: int,

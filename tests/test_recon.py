@@ -1,0 +1,103 @@
+"""Block reconstruction (learned rounding with QDrop) on the bundled model's real digits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vizq.capture import Cancelled
+from vizq.data import resolve_images
+from vizq.ptq.config import QuantConfig
+from vizq.ptq.engine import QuantizedModel
+from vizq.ptq.evaluate import calibrate, calibration_batch
+from vizq.ptq.export import export, load_export
+from vizq.ptq.recon import _block_tensors
+
+CFG = dict(preset="repq", wbits=3, abits=4)
+
+
+@pytest.fixture(scope="module")
+def pair(bundled):
+    """The same calibration without and with 40 reconstruction steps per block."""
+    base = calibrate(bundled, QuantConfig(**CFG)).qmodel
+    rec = calibrate(bundled, QuantConfig(**CFG, recon_iters=40)).qmodel
+    yield base, rec
+    base.remove_hooks()
+    rec.remove_hooks()
+
+
+def held_out(bundled, n: int = 64) -> torch.Tensor:
+    images = resolve_images(bundled, None, "eval")
+    return torch.cat([x for x, _, _ in bundled.iterate(images, list(range(n)), n)])
+
+
+def test_reconstruction_lowers_the_error_on_images_it_never_saw(bundled, pair):
+    x = held_out(bundled)
+    last = [s.module for s in pair[0].sites if s.kind == "residual"][-1]
+    target = _block_tensors(bundled.model, last, x, inputs=False)[0]
+    err = [float((_block_tensors(q.model, last, x, inputs=False)[0] - target).pow(2).mean()) for q in pair]
+    assert err[1] < 0.9 * err[0], err
+    with torch.no_grad():
+        fp = bundled.model(x).log_softmax(-1)
+        kl = [float((fp.exp() * (fp - q(x).log_softmax(-1))).sum(-1).mean()) for q in pair]
+    assert kl[1] < kl[0], kl
+
+
+def test_reconstructed_weights_stay_on_the_calibrated_grid_one_step_from_the_float_weight(pair):
+    base, rec = pair
+    assert rec.recon_modules and all(m.startswith("blocks.") for m in rec.recon_modules)
+    moved = 0
+    for p in rec.recon_modules:
+        q = rec.weights[p]
+        w = rec.model.get_submodule(p).weight.detach()
+        assert torch.equal(q.fake_quant(w), w)  # a grid point maps to itself
+        assert torch.equal(q.state["scale"], base.weights[p].state["scale"])  # scales as calibrated
+        s = q._view(q.state["scale"], w)
+        codes, fl = torch.round(w / s), torch.floor(base.fp_weights[p] / s)
+        z = q._view(q.state["zero_point"], w)
+        lo, hi = -z, 2**q.bits - 1 - z  # the codes each channel's grid holds
+        inside = (fl >= lo) & (fl + 1 <= hi)  # away from the clamp, only floor or floor + 1
+        assert bool(((codes == fl) | (codes == fl + 1))[inside].all())
+        moved += int((codes != torch.round(base.fp_weights[p] / s)).sum())
+    assert moved > 0  # it did change some roundings
+
+
+def test_reconstructed_model_exports_and_reloads_bit_exactly(bundled, pair, tmp_path):
+    rec = pair[1]
+    x = held_out(bundled, 16)
+    back = load_export(export(rec, tmp_path / "r"), bundled)
+    with torch.no_grad():
+        assert torch.equal(back(x), rec(x))
+    back.remove_hooks()
+
+
+def test_qdrop_keeps_a_random_half_in_float_and_passes_gradients_straight_through(bundled):
+    qm = QuantizedModel(bundled, QuantConfig(**CFG))
+    x = torch.randn(200_000, requires_grad=True)
+    out = torch.round(x.detach() * 2) / 2
+    qm.drop = 0.5
+    y = qm._straight_through(x, out)
+    kept = y.detach() == x.detach()
+    assert bool((kept | (y.detach() == out)).all())
+    assert abs(float(kept.float().mean()) - 0.5) < 0.01
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+    qm.drop = 0.0
+    assert torch.equal(qm._straight_through(x, out).detach(), out)
+    qm.remove_hooks()
+
+
+def test_cancel_stops_reconstruction_at_the_next_step(bundled):
+    cfg = QuantConfig(**CFG, recon_iters=1000)
+    x, _ = calibration_batch(bundled, cfg)
+    seen: list[tuple[int, int]] = []
+    with QuantizedModel(bundled, cfg) as qm, pytest.raises(Cancelled):
+        qm.calibrate(x, recon_progress=lambda d, t, m: seen.append((d, t)), cancel=lambda: len(seen) > 3)
+    assert seen and seen[-1][0] < 1000 and seen[0][1] == 1000 * len([s for s in qm.sites if s.kind == "residual"])
+
+
+def test_weights_without_an_integer_grid_keep_their_rounding(bundled):
+    cfg = QuantConfig(preset="fp8", wbits=8, abits=8, recon_iters=5)
+    x, _ = calibration_batch(bundled, cfg)
+    with QuantizedModel(bundled, cfg) as qm:
+        qm.calibrate(x)
+        assert qm.recon_modules == []
