@@ -110,3 +110,34 @@ def test_weights_without_an_integer_grid_keep_their_rounding(bundled):
     with QuantizedModel(bundled, cfg) as qm:
         qm.calibrate(x)
         assert qm.recon_modules == []
+
+
+def test_learned_activation_scales_change_only_the_blocks_uniform_sites_and_export_exactly(bundled, pair, tmp_path):
+    rec = calibrate(bundled, QuantConfig(**CFG, recon_iters=30, recon_scales=True)).qmodel
+    base = pair[1]  # the same reconstruction without learned scales
+    blocks = tuple(s.module + "." for s in base.sites if s.kind == "residual")
+    moved = 0
+    for s in base.sites:
+        if s.name not in base.acts:
+            continue
+        a, b = base.acts[s.name].q, rec.acts[s.name].q
+        same = all(torch.equal(a.state[k], b.state[k]) for k in a.state)
+        if not s.module.startswith(blocks) or a.name not in ("uniform", "uniform_sym"):
+            assert same, s.name  # outside the blocks, and non-uniform grids, stay as calibrated
+        else:
+            moved += not same
+            assert torch.equal(a.state.get("zero_point", 0), b.state.get("zero_point", 0))
+    assert moved >= len(blocks)  # at least one per block
+    x = held_out(bundled, 16)
+    back = load_export(export(rec, tmp_path / "s"), bundled)
+    with torch.no_grad():
+        assert torch.equal(back(x), rec(x))
+    back.remove_hooks()
+    rec.remove_hooks()
+
+
+def test_learned_scales_need_reconstruction():
+    from vizq.ptq.config import ConfigError
+
+    with pytest.raises(ConfigError, match="recon_iters"):
+        QuantConfig(**CFG, recon_scales=True)

@@ -96,6 +96,24 @@ def test_folding_into_every_consumer_is_exact(minilm, short_texts):
             assert ((out - ref).norm() / ref.norm()) < 1e-5
 
 
+def test_qdrop_keeps_the_folded_float_value(minilm, short_texts):
+    """Reconstruction's QDrop leaves some values unrounded; on a post-LN model those must be
+    what the folded consumers expect (x / r − δ), not the raw LayerNorm output. With every
+    value dropped and float weights, the quantized model then computes the float model."""
+    cfg = QuantConfig(preset="repq", wbits=4, abits=4, calibration={"images": 8, "seed": 0, "batch_size": 8})
+    calib, _ = calibration_batch(minilm, cfg, None)
+    with QuantizedModel(minilm, cfg) as qm:
+        qm.calibrate(calib)
+        assert any(aq.ratio is not None for aq in qm.acts.values())
+        for path, w in qm.fp_weights.items():
+            qm.model.get_submodule(path).weight.data.copy_(w)
+        qm.ste, qm.drop, qm.drop_rng = True, 1.0, torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for x, _, _ in minilm.iterate(short_texts, range(len(short_texts)), 8):
+                ref, out = minilm.model(x), qm.model(x)
+                assert ((out - ref).norm() / ref.norm()) < 1e-5
+
+
 @pytest.mark.parametrize("method", list(PRESETS))
 def test_every_preset_runs(minilm, method):
     res, qm = run_eval(minilm, QuantConfig(preset=method, wbits=8, abits=8, calibration={"images": 8, "seed": 0, "batch_size": 8}),

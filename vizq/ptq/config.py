@@ -97,6 +97,7 @@ class QuantConfig:
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     reparam: str | None = None  # None: the preset decides; "none", "mean" or "median" to force
     recon_iters: int = 0
+    recon_scales: bool = False  # reconstruction also learns uniform activation scales (LSQ)
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -124,6 +125,10 @@ class QuantConfig:
             raise ConfigError(f"reparam must be none, mean, median or mean_int, got {self.reparam!r}")
         if not isinstance(self.recon_iters, int) or isinstance(self.recon_iters, bool) or self.recon_iters < 0:
             raise ConfigError(f"recon_iters must be a non-negative integer, got {self.recon_iters!r}")
+        if not isinstance(self.recon_scales, bool):
+            raise ConfigError(f"recon_scales must be true or false, got {self.recon_scales!r}")
+        if self.recon_scales and not self.recon_iters:
+            raise ConfigError("recon_scales learns activation scales during reconstruction; set recon_iters > 0 too")
         if not isinstance(self.overrides, dict):
             raise ConfigError("overrides must be a mapping of site glob or kind to settings")
         self.rules()  # every override parses into a typed Rule, or the error names it

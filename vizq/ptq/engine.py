@@ -65,9 +65,15 @@ class ActQuant:
         self._last = (x, out)
         return out
 
+    def folded(self, x: torch.Tensor) -> torch.Tensor:
+        """The float value the consumers expect: x itself, or x / r − δ where the per-channel
+        LayerNorm range was folded into them (what QDrop must keep when it skips rounding)."""
+        if self.ratio is None:
+            return x
+        return x / self.ratio.to(x.dtype) - self.delta.to(x.dtype)
+
     def _quantize(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ratio is not None:
-            x = (x / self.ratio.to(x.dtype) - self.delta.to(x.dtype))
+        x = self.folded(x)
         xs = x + self.shift if self.shift else x
         out = self.step(xs) if self.step is not None and x.dtype == torch.float32 else self.q.fake_quant(xs)
         return out - self.shift if self.shift else out
@@ -89,6 +95,8 @@ class QuantizedModel(nn.Module):
         self.ste = False  # straight-through gradients through activation quantizers (reconstruction)
         self.drop = 0.0  # QDrop: while reconstructing, keep this fraction of activation values in float
         self.drop_rng: torch.Generator | None = None  # its random masks (seeded: results reproduce)
+        # while reconstructing: site -> differentiable fake-quant of the folded input (learned scales)
+        self.trainable: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         self.recon_modules: list[str] = []
         self.info = loaded.info
         self.config = config
@@ -168,25 +176,37 @@ class QuantizedModel(nn.Module):
             aq.compile(x)  # checked against the calibration tensor itself
             self._tick(site.name)
         elif self.ste:
-            with torch.no_grad():  # the rounding is a constant to autograd (straight-through)
-                out = aq(x)
+            learn = self.trainable.get(site.name)
+            if learn is not None:  # learned scale: differentiable in it, straight-through in x
+                out = learn(aq.folded(x))
+            else:
+                with torch.no_grad():  # the rounding is a constant to autograd (straight-through)
+                    out = aq(x)
         else:
             out = aq(x)
         if site.kind == "v":
             self._stash[site.name] = out
-        return self._straight_through(x, out) if self.ste else out
+        return self._straight_through(aq.folded(x), out) if self.ste else out
 
     def _straight_through(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Reconstruction's forward: the quantized value with the identity's gradient; with
         QDrop (``drop``) a random fraction of values stays in float, so the weights being tuned
-        do not overfit one fixed pattern of activation rounding. Both branches pass the
-        gradient straight through, so dropping is just a mask on the (detached) rounding error;
-        the mask comes from random bytes, four times cheaper than ``rand_like``."""
+        do not overfit one fixed pattern of activation rounding. ``x`` is the float value in the
+        consumers' domain (after a LayerNorm fold). Both branches pass the gradient straight
+        through, so dropping is just a mask on the rounding error (detached unless a learned
+        scale made ``out`` differentiable); the mask comes from random bytes, four times
+        cheaper than ``rand_like``."""
+        keep = None
+        if self.drop >= 1.0:  # all float (256 would wrap to 0 in the uint8 comparison below)
+            return x
+        if self.drop:
+            keep = torch.randint(0, 256, x.shape, dtype=torch.uint8, device=x.device,
+                                 generator=self.drop_rng) >= round(256 * self.drop)
+        if out.requires_grad:
+            return x + (out - x) * keep if keep is not None else out
         with torch.no_grad():
             noise = out - x
-            if self.drop:
-                keep = torch.randint(0, 256, x.shape, dtype=torch.uint8, device=x.device,
-                                     generator=self.drop_rng) >= round(256 * self.drop)
+            if keep is not None:
                 noise.mul_(keep)
         return x + noise
 
@@ -260,7 +280,7 @@ class QuantizedModel(nn.Module):
 
             self.recon_modules = reconstruct(self, self._fp[0], batches if len(batches) > 1 else batches[0],
                                              self.config.recon_iters, progress=recon_progress or progress,
-                                             cancel=cancel)
+                                             cancel=cancel, learn_scales=self.config.recon_scales)
         for aq in self.acts.values():
             aq._last = (None, None)
         self.calibrated = True

@@ -33,6 +33,7 @@ REG_WEIGHT = 0.01  # rounding regulariser against the block's summed squared err
 WARMUP = 0.2  # the first fifth of the steps fits the output with no pull towards 0 or 1
 BETA = (20.0, 2.0)  # the regulariser's exponent, annealed linearly after the warm-up
 DROP = 0.5  # QDrop: fraction of activation values left unquantized while training
+LR_SCALE = 1e-3  # Adam on log activation scales, cosine-annealed to 0 over a block's steps
 REPORT_EVERY = 10  # progress line every this many steps
 
 
@@ -60,6 +61,40 @@ def _sym(q: Quantizer, w: torch.Tensor) -> Grid:
 #: Weight quantizers whose rounding can be learned, by name. Others (log, float and block
 #: formats) keep their calibrated rounding; reconstruction reports them as skipped.
 GRIDS: dict[str, Callable[[Quantizer, torch.Tensor], Grid]] = {"uniform": _asym, "uniform_sym": _sym}
+
+
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    """round(x) forward, identity backward (LSQ's straight-through estimator)."""
+    return x + (torch.round(x) - x).detach()
+
+
+class LearnedScale:
+    """One uniform activation quantizer whose scale is learned during reconstruction (LSQ, as
+    BRECQ and QDrop do): s = s₀·exp(t), t trained from 0, the integer zero point kept. Why a
+    log parameter: one learning rate then suits scales from 1e-3 to 10 (ViT sites span that)."""
+
+    def __init__(self, q: Quantizer) -> None:
+        self.q = q
+        self.s0 = q.state["scale"].detach()
+        self.t = torch.zeros_like(self.s0, requires_grad=True)
+        self.lo, self.hi = (0, q.qmax) if q.name == "uniform" else q.qrange
+        self.z = q.state["zero_point"].detach() if q.name == "uniform" else torch.zeros_like(self.s0)
+
+    def scale(self) -> torch.Tensor:
+        return self.s0 * torch.exp(self.t)
+
+    def __call__(self, x: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
+        xs = x + shift if shift else x
+        s, z = self.q._view(self.scale(), xs), self.q._view(self.z, xs)
+        out = (torch.clamp(_round_ste(xs / s) + z, self.lo, self.hi) - z) * s
+        return out - shift if shift else out
+
+    def commit(self) -> None:
+        self.q.state["scale"] = self.scale().detach().float().contiguous()
+
+
+#: Activation quantizers whose scale can be learned, by name (integer grids); others keep theirs.
+ACT_SCALES = ("uniform", "uniform_sym")
 
 
 class LearnedRounding:
@@ -112,11 +147,15 @@ def _beta(it: int, iters: int) -> float | None:
     return BETA[0] + (BETA[1] - BETA[0]) * (it - start) / max(iters - start, 1)
 
 
-def _train_block(qm: Any, path: str, rounding: dict[str, LearnedRounding], inputs: list[torch.Tensor],
-                 targets: list[torch.Tensor], iters: int, tick: Callable[[int], None]) -> None:
+def _train_block(qm: Any, path: str, rounding: dict[str, LearnedRounding], scales: dict[str, LearnedScale],
+                 inputs: list[torch.Tensor], targets: list[torch.Tensor], iters: int,
+                 tick: Callable[[int], None]) -> None:
     block = qm.model.get_submodule(path)
     opt = torch.optim.Adam([r.v for r in rounding.values()], lr=LR)
+    opt_s = torch.optim.Adam([ls.t for ls in scales.values()], lr=LR_SCALE) if scales else None
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt_s, T_max=iters, eta_min=0.0) if opt_s else None
     qm.ste, qm.drop = True, DROP
+    qm.trainable = {name: (lambda x, ls=ls, sh=qm.acts[name].shift: ls(x, sh)) for name, ls in scales.items()}
     # the masks follow the calibration seed, so a run reproduces; its spread is the seed's (README)
     qm.drop_rng = torch.Generator(inputs[0].device).manual_seed(qm.config.calibration.seed)
     try:
@@ -133,15 +172,23 @@ def _train_block(qm: Any, path: str, rounding: dict[str, LearnedRounding], input
                 if beta is not None:
                     loss = loss + REG_WEIGHT * sum(r.regulariser(beta) for r in rounding.values())
                 opt.zero_grad()
+                if opt_s:
+                    opt_s.zero_grad()
                 loss.backward()
                 opt.step()
+                if opt_s:
+                    opt_s.step()
+                    sched.step()
     finally:
-        qm.ste, qm.drop, qm.drop_rng = False, 0.0, None
+        qm.ste, qm.drop, qm.drop_rng, qm.trainable = False, 0.0, None, {}
 
 
 def reconstruct(qm: Any, fp_model: nn.Module, calib: torch.Tensor | list[torch.Tensor], iters: int,
-                progress: Progress | None = None, cancel: Callable[[], bool] | None = None) -> list[str]:
+                progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
+                learn_scales: bool = False) -> list[str]:
     """Re-round every block's weights in network order; returns the Linear modules changed.
+    With ``learn_scales`` the block's uniform activation scales are trained too (their new
+    values are the calibrated state afterwards, so exports carry them).
 
     Progress counts steps over all blocks; cancelling stops at the next step and nothing of the
     calibration is kept by the caller."""
@@ -166,7 +213,16 @@ def reconstruct(qm: Any, fp_model: nn.Module, calib: torch.Tensor | list[torch.T
         for p in linears:
             q, w = qm.weights[p], qm.fp_weights[p]
             rounding[p] = LearnedRounding(GRIDS[q.name](q, w), w)
-        _train_block(qm, path, rounding, inputs, targets, iters, tick)
+        scales = {}
+        if learn_scales:
+            scales = {s.name: LearnedScale(qm.acts[s.name].q) for s in qm.sites
+                      if s.name in qm.acts and s.module.startswith(path + ".") and qm.acts[s.name].q.name in ACT_SCALES}
+        _train_block(qm, path, rounding, scales, inputs, targets, iters, tick)
+        for name, ls in scales.items():
+            ls.commit()
+            aq = qm.acts[name]
+            aq.step, aq._last = None, (None, None)
+            aq.compile()
         with torch.no_grad():
             for p, r in rounding.items():
                 w = r.weight(hard=True)  # on the grid: the quantizer maps it to itself
