@@ -141,3 +141,23 @@ def test_learned_scales_need_reconstruction():
 
     with pytest.raises(ConfigError, match="recon_iters"):
         QuantConfig(**CFG, recon_scales=True)
+
+
+def test_fused_lsq_matches_autograd_on_the_same_formula():
+    """The fused fake-quant's value and gradients equal autograd's on the unfused formula
+    (straight-through inside the grid's range, LSQ's d/ds), on values that clamp both ends."""
+    from vizq.ptq.recon import _LsqFakeQuant
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 50, 8, generator=g) * 3).requires_grad_(True)
+    s = torch.linspace(0.2, 0.6, 8).requires_grad_(True)
+    z, up = torch.tensor(7.0), torch.randn(64, 50, 8, generator=g)
+    xs = x / s
+    inside = ((torch.round(xs) + z >= 0) & (torch.round(xs) + z <= 15)).float()
+    code = torch.clamp(torch.round(xs) + z, 0, 15) - z
+    ref = (xs * inside + (code - xs * inside).detach()) * s  # the value code·s; gradients by autograd
+    gx, gs = torch.autograd.grad((ref * up).sum(), (x, s))
+    out = _LsqFakeQuant.apply(x, s, z, 0, 15)
+    fx, fs = torch.autograd.grad((out * up).sum(), (x, s))
+    assert torch.allclose(out, ref, atol=1e-6) and 0 < float(inside.mean()) < 1
+    assert torch.allclose(fx, gx, atol=1e-5) and torch.allclose(fs, gs, rtol=1e-4, atol=1e-3)

@@ -168,6 +168,8 @@ def _ptq_args(p: argparse.ArgumentParser) -> None:
                    help="block reconstruction after calibration: learned weight rounding (AdaRound with QDrop), N steps per block; about 45 s per block for 200 steps on ViT-Ti on 2 CPU cores")
     p.add_argument("--recon-scales", action="store_true",
                    help="with --recon-iters: also learn the uniform activation quantizers' scales (LSQ, as BRECQ and QDrop do)")
+    p.add_argument("--recon-batch", type=nonnegative("--recon-batch"), default=0,
+                   help="with --recon-iters: calibration samples per step, drawn at random (seeded); 0: all of them every step")
     p.add_argument("--override", action="append", default=[],
                    help="SITE_GLOB_OR_KIND=QUANTIZER[:bits=N][:key=value] (repeatable)")
 
@@ -181,7 +183,7 @@ def config_from_args(a: argparse.Namespace):  # noqa: ANN201
         with opened(a.config) as path:  # a config file, an export folder, or an export's zip
             return QuantConfig.load(path)
     return QuantConfig(preset=a.preset, wbits=a.wbits, abits=a.abits, overrides=overrides_from_rules(a.override),
-                       recon_iters=a.recon_iters, recon_scales=a.recon_scales,
+                       recon_iters=a.recon_iters, recon_scales=a.recon_scales, recon_batch=a.recon_batch,
                        calibration={"images": a.calib, "seed": a.seed, "batch_size": a.batch_size})
 
 
@@ -383,8 +385,6 @@ def _sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--override-set", action="append", default=[],
                    help="one extra job per set: ';'-separated --override rules (repeatable); "
                         "without it each method and width runs once, unmodified")
-    p.add_argument("--recon-scales", action="store_true",
-                   help="with --recon-iters: also learn the uniform activation quantizers' scales (LSQ, as BRECQ and QDrop do)")
     p.add_argument("--override", action="append", default=[], help="rule applied to every job (repeatable)")
     p.add_argument("--images", type=positive("--images"), default=1000, help="evaluation images per job")
     p.add_argument("--calib", type=positive("--calib"), default=32, help="calibration images (seeded)")

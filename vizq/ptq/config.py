@@ -98,6 +98,7 @@ class QuantConfig:
     reparam: str | None = None  # None: the preset decides; "none", "mean" or "median" to force
     recon_iters: int = 0
     recon_scales: bool = False  # reconstruction also learns uniform activation scales (LSQ)
+    recon_batch: int = 0  # samples per reconstruction step, drawn at random; 0: every calibration sample
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -125,6 +126,8 @@ class QuantConfig:
             raise ConfigError(f"reparam must be none, mean, median or mean_int, got {self.reparam!r}")
         if not isinstance(self.recon_iters, int) or isinstance(self.recon_iters, bool) or self.recon_iters < 0:
             raise ConfigError(f"recon_iters must be a non-negative integer, got {self.recon_iters!r}")
+        if not isinstance(self.recon_batch, int) or isinstance(self.recon_batch, bool) or self.recon_batch < 0:
+            raise ConfigError(f"recon_batch must be a non-negative integer (0: every calibration sample), got {self.recon_batch!r}")
         if not isinstance(self.recon_scales, bool):
             raise ConfigError(f"recon_scales must be true or false, got {self.recon_scales!r}")
         if self.recon_scales and not self.recon_iters:

@@ -280,7 +280,8 @@ class QuantizedModel(nn.Module):
 
             self.recon_modules = reconstruct(self, self._fp[0], batches if len(batches) > 1 else batches[0],
                                              self.config.recon_iters, progress=recon_progress or progress,
-                                             cancel=cancel, learn_scales=self.config.recon_scales)
+                                             cancel=cancel, learn_scales=self.config.recon_scales,
+                                             batch=self.config.recon_batch)
         for aq in self.acts.values():
             aq._last = (None, None)
         self.calibrated = True

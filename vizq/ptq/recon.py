@@ -63,9 +63,27 @@ def _sym(q: Quantizer, w: torch.Tensor) -> Grid:
 GRIDS: dict[str, Callable[[Quantizer, torch.Tensor], Grid]] = {"uniform": _asym, "uniform_sym": _sym}
 
 
-def _round_ste(x: torch.Tensor) -> torch.Tensor:
-    """round(x) forward, identity backward (LSQ's straight-through estimator)."""
-    return x + (torch.round(x) - x).detach()
+class _LsqFakeQuant(torch.autograd.Function):
+    """(clamp(round(x/s) + z, lo, hi) − z)·s with LSQ's gradients: straight through for x
+    inside the grid's range (zero outside), and d/ds = (q − z) − x/s inside, (q − z) outside.
+    One fused function instead of autograd's chain: it keeps one float and one bool tensor
+    for the backward pass instead of five floats, which is most of a block step's cost here."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, s: torch.Tensor, z: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        xs = x / s
+        code = torch.round(xs).add_(z)
+        inside = (code >= lo) & (code <= hi)
+        code.clamp_(lo, hi).sub_(z)  # the integer code relative to the zero point
+        out = code * s
+        ctx.save_for_backward(code.sub_(xs.mul_(inside)), inside, s)  # d out / d s
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        d_s, inside, s = ctx.saved_tensors
+        gs = (g * d_s).sum_to_size(s.shape) if ctx.needs_input_grad[1] else None
+        return g * inside, gs, None, None, None
 
 
 class LearnedScale:
@@ -86,7 +104,7 @@ class LearnedScale:
     def __call__(self, x: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
         xs = x + shift if shift else x
         s, z = self.q._view(self.scale(), xs), self.q._view(self.z, xs)
-        out = (torch.clamp(_round_ste(xs / s) + z, self.lo, self.hi) - z) * s
+        out = _LsqFakeQuant.apply(xs, s, z, self.lo, self.hi)
         return out - shift if shift else out
 
     def commit(self) -> None:
@@ -147,9 +165,25 @@ def _beta(it: int, iters: int) -> float | None:
     return BETA[0] + (BETA[1] - BETA[0]) * (it - start) / max(iters - start, 1)
 
 
+def _minibatches(inputs: list[torch.Tensor], targets: list[torch.Tensor], batch: int,
+                 gen: torch.Generator) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """Step ``it``'s (input, target): the calibration batches in turn, or with ``batch`` a
+    seeded random draw of that many samples (without replacement) from all of them."""
+    if not batch or any(t.shape[1:] != inputs[0].shape[1:] for t in inputs):
+        return lambda it: (inputs[it % len(inputs)], targets[it % len(inputs)])
+    x, y = torch.cat(inputs), torch.cat(targets)
+    if batch >= len(x):
+        return lambda it: (x, y)
+
+    def draw(it: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randperm(len(x), generator=gen)[:batch].to(x.device)
+        return x[idx], y[idx]
+    return draw
+
+
 def _train_block(qm: Any, path: str, rounding: dict[str, LearnedRounding], scales: dict[str, LearnedScale],
                  inputs: list[torch.Tensor], targets: list[torch.Tensor], iters: int,
-                 tick: Callable[[int], None]) -> None:
+                 tick: Callable[[int], None], batch: int = 0) -> None:
     block = qm.model.get_submodule(path)
     opt = torch.optim.Adam([r.v for r in rounding.values()], lr=LR)
     opt_s = torch.optim.Adam([ls.t for ls in scales.values()], lr=LR_SCALE) if scales else None
@@ -158,16 +192,17 @@ def _train_block(qm: Any, path: str, rounding: dict[str, LearnedRounding], scale
     qm.trainable = {name: (lambda x, ls=ls, sh=qm.acts[name].shift: ls(x, sh)) for name, ls in scales.items()}
     # the masks follow the calibration seed, so a run reproduces; its spread is the seed's (README)
     qm.drop_rng = torch.Generator(inputs[0].device).manual_seed(qm.config.calibration.seed)
+    draw = _minibatches(inputs, targets, batch, torch.Generator().manual_seed(qm.config.calibration.seed))
     try:
         with torch.enable_grad():
             for it in range(iters):
                 tick(it)
-                k = it % len(inputs)
+                x, target = draw(it)
                 subs = {f"{p[len(path) + 1:]}.weight": r.weight() for p, r in rounding.items()}
-                out = torch.func.functional_call(block, subs, (inputs[k],))
+                out = torch.func.functional_call(block, subs, (x,))
                 out = out[0] if isinstance(out, tuple) else out
                 # summed over each sample's values, averaged over samples: the scale REG_WEIGHT is set for
-                loss = (out - targets[k]).pow(2).flatten(1).sum(1).mean()
+                loss = (out - target).pow(2).flatten(1).sum(1).mean()
                 beta = _beta(it, iters)
                 if beta is not None:
                     loss = loss + REG_WEIGHT * sum(r.regulariser(beta) for r in rounding.values())
@@ -185,7 +220,7 @@ def _train_block(qm: Any, path: str, rounding: dict[str, LearnedRounding], scale
 
 def reconstruct(qm: Any, fp_model: nn.Module, calib: torch.Tensor | list[torch.Tensor], iters: int,
                 progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
-                learn_scales: bool = False) -> list[str]:
+                learn_scales: bool = False, batch: int = 0) -> list[str]:
     """Re-round every block's weights in network order; returns the Linear modules changed.
     With ``learn_scales`` the block's uniform activation scales are trained too (their new
     values are the calibrated state afterwards, so exports carry them).
@@ -217,7 +252,7 @@ def reconstruct(qm: Any, fp_model: nn.Module, calib: torch.Tensor | list[torch.T
         if learn_scales:
             scales = {s.name: LearnedScale(qm.acts[s.name].q) for s in qm.sites
                       if s.name in qm.acts and s.module.startswith(path + ".") and qm.acts[s.name].q.name in ACT_SCALES}
-        _train_block(qm, path, rounding, scales, inputs, targets, iters, tick)
+        _train_block(qm, path, rounding, scales, inputs, targets, iters, tick, batch)
         for name, ls in scales.items():
             ls.commit()
             aq = qm.acts[name]
