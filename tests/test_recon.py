@@ -161,3 +161,16 @@ def test_fused_lsq_matches_autograd_on_the_same_formula():
     fx, fs = torch.autograd.grad((out * up).sum(), (x, s))
     assert torch.allclose(out, ref, atol=1e-6) and 0 < float(inside.mean()) < 1
     assert torch.allclose(fx, gx, atol=1e-5) and torch.allclose(fs, gs, rtol=1e-4, atol=1e-3)
+
+
+def test_minibatches_are_seeded_draws_without_replacement():
+    from vizq.ptq.recon import _minibatches
+
+    x = torch.arange(32.0).reshape(32, 1)
+    draws = [_minibatches([x], [x * 2], 8, torch.Generator().manual_seed(s)) for s in (0, 0, 1)]
+    a, b, c = ([d(it) for it in range(5)] for d in draws)
+    for (xi, yi), (xj, _) in zip(a, b):
+        assert len(xi) == 8 == len(set(xi.flatten().tolist())) and torch.equal(yi, xi * 2) and torch.equal(xi, xj)
+    assert any(not torch.equal(xi, xk) for (xi, _), (xk, _) in zip(a, c))
+    whole = _minibatches([x], [x], 0, torch.Generator())
+    assert torch.equal(whole(3)[0], x)

@@ -13,6 +13,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from .ptq.config import recon_label
 from .stats import log2_bin_edges
 
 Figure = go.Figure
@@ -225,8 +226,11 @@ def accuracy_vs_bits(history: list[dict[str, Any]], metric: str = "q_top1") -> t
         metric = "agreement"
     df["data_key"] = [d.get("key", "not recorded") if isinstance(d, dict) else "not recorded" for d in df.get("data", [None] * len(df))]
     several = df.data_key.nunique() > 1
+    # a reconstructed run is another method: never on the same line as the plain preset
+    df["variant"] = [f"{p} {recon_label(c if isinstance(c, dict) else None)}".strip()
+                     for p, c in zip(df.preset, df.get("config", [None] * len(df)))]
     fig = go.Figure()
-    for i, ((method, w, key), g) in enumerate(df.groupby(["preset", "wbits", "data_key"])):
+    for i, ((method, w, key), g) in enumerate(df.groupby(["variant", "wbits", "data_key"])):
         g = g.sort_values("abits")
         name = f"{method} W{w}" + (f" · {key}" if several else "")
         fig.add_scatter(x=g.abits, y=g[metric], mode="lines+markers", name=name, marker_color=PALETTE[i % len(PALETTE)],

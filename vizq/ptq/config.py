@@ -205,6 +205,20 @@ class QuantConfig:
         atomic.write_text(path, text)
 
 
+def recon_label(config: dict[str, Any] | None) -> str:
+    """How a recorded run was reconstructed, for tables and legends: '' (not), or e.g.
+    '+recon 200 · LSQ · batch 8'. Works on the stored dict, so old history rows read too."""
+    iters = (config or {}).get("recon_iters") or 0
+    if not iters:
+        return ""
+    parts = [f"+recon {iters}"]
+    if config.get("recon_scales"):
+        parts.append("LSQ")
+    if config.get("recon_batch"):
+        parts.append(f"batch {config['recon_batch']}")
+    return " · ".join(parts)
+
+
 def migrate(d: dict[str, Any]) -> dict[str, Any]:
     """An older configuration's keys in this version's words (the input is not modified)."""
     version = d.get("version", 1)
