@@ -55,10 +55,12 @@ def test_two_rank_eval_equals_one_rank(tmp_path, capsys, monkeypatch):
     assert b["eval_images"] == 201 == a["eval_images"]
     for k in ("fp_top1", "q_top1", "fp_top5", "q_top5", "agreement", "calib_images"):
         assert a[k] == b[k], k
-    assert b["kl"] == pytest.approx(a["kl"], rel=1e-9)
+    # Per-image values are float32 and the shards batch the images differently (rank 1's batches
+    # start at image 101), so a kernel may round one ulp apart: 1e-6, not exact (CI saw 2.5e-9).
+    assert b["kl"] == pytest.approx(a["kl"], rel=1e-6)
     assert a["site_sqnr_db"].keys() == b["site_sqnr_db"].keys()
     for k, v in a["site_sqnr_db"].items():
-        assert b["site_sqnr_db"][k] == pytest.approx(v, rel=1e-9, abs=1e-9), k
+        assert b["site_sqnr_db"][k] == pytest.approx(v, rel=1e-6, abs=1e-6), k
     assert two.stdout.count("q_top1") == 1  # only rank 0 prints
 
 

