@@ -46,7 +46,7 @@ def config_form(prefix: str = "cfg") -> QuantConfig:
                 rule["bits"] = int(r["bits"])
             if rule:
                 overrides[r["kind"]] = rule
-    with st.expander("Block reconstruction (optional; minutes per block on a CPU)"):
+    with st.expander("Block reconstruction (optional; slow: ~10 min for ViT-Ti at 200 steps on 2 CPU cores)"):
         st.caption("After calibration, re-round each block's integer weights (AdaRound with QDrop) so the block "
                    "reproduces the float block's output on the calibration images. On ViT-Ti with 32 images, "
                    "200 steps take about 45 s per block on 2 CPU cores; learning activation scales adds about a "
