@@ -13,6 +13,10 @@ from vizq.quant.logq import logsqrt2_dequant, logsqrt2_direct
 from vizq.quant.registry import quantizer_from_dict
 
 ALL = list_quantizers()
+#: Quantizers built for one activation's range (PTQ4ViT's released forms): values outside it
+#: cannot be represented by design (the softmax grid spans [0, 1], the GELU grid's negative
+#: side stops at GELU's minimum).
+DOMAIN = {"ptq4vit_softmax": (0.0, 1.0), "ptq4vit_gelu": (-0.17, float("inf"))}
 
 
 def _data() -> dict[str, torch.Tensor]:
@@ -43,10 +47,15 @@ def test_outputs_lie_on_levels_and_are_idempotent(name, data):
         # tiny probability blocks get subnormal E4M3 block scales; re-deriving a scale from an
         # already rounded block is not a fixed point there (a property of the format)
         return
+    if name == "ptq4vit_softmax" and float(q.state["split"]) >= 1 / (2**q.bits - 2):
+        # the released formula adds the split to every value above it, and once the split is
+        # half a coarse step or more, that offset moves a re-quantized level (checked below)
+        assert not torch.equal(q.fake_quant(y), y)
+        return
     assert torch.equal(q.fake_quant(y), y)
 
 
-@pytest.mark.parametrize("name", [n for n in ALL if n not in ("mxfp8", "mxfp6", "mxfp4", "nvfp4")])
+@pytest.mark.parametrize("name", [n for n in ALL if n not in ("mxfp8", "mxfp6", "mxfp4", "nvfp4", "ptq4vit_softmax")])
 def test_per_channel_levels(name):
     x = _data()["acts"]
     q = get_quantizer(name, granularity="channel").calibrate(x)
@@ -290,6 +299,9 @@ def test_calibration_refuses_non_finite_data(name):
 @pytest.mark.parametrize("value", [-2.0, 1.5])  # (3.5 saturates to 3 in MXFP4 by the spec)
 @pytest.mark.parametrize("name", ALL)
 def test_a_constant_tensor_reproduces_itself(name, value):
+    lo, hi = DOMAIN.get(name, (-float("inf"), float("inf")))
+    if not lo <= value <= hi:
+        value = hi if value > hi else lo / 2  # a constant inside the quantizer's domain
     x = torch.full((4, 64), value)
     y = get_quantizer(name).calibrate(x).fake_quant(x)
     assert torch.allclose(y, x, rtol=0.02), (name, y.flatten()[:4])

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from . import atomic
+from .ptq.config import migrate
 
 _LOCK = threading.Lock()
 
@@ -33,9 +34,14 @@ def load_history(path: Path | None = None) -> list[dict[str, Any]]:
 
 
 def _current(run: Any) -> Any:
-    """A record in today's keys: runs recorded before the rename name their preset "method"."""
+    """A record in today's keys and names: runs recorded before the rename name their preset
+    "method"; a ``ptq4vit`` run from before config version 3 was what is now ``ptq4vit-mse``."""
     if isinstance(run, dict) and "method" in run and "preset" not in run:
         run = {("preset" if k == "method" else k): v for k, v in run.items()}
+    if isinstance(run, dict) and run.get("preset") == "ptq4vit":
+        cfg = run.get("config") if isinstance(run.get("config"), dict) else {}
+        if cfg.get("version", 1) < 3:
+            run = {**run, "preset": "ptq4vit-mse", "config": migrate(cfg) if cfg else cfg}
     return run
 
 

@@ -6,11 +6,19 @@ Only records, no logic: ``presets`` turns a record and a config into per-site qu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 QUANTIZED_ACT_KINDS = ("post_ln", "post_softmax", "post_gelu", "q", "k", "v", "attn_proj_in", "linear_in")
 GELU_SHIFT = 0.16997  # |min GELU|: AdaLog quantizes x + η and folds -Ŵη into fc2's bias
 PATCH_INPUT_BITS = 8
+
+
+class Procedure(str, Enum):
+    """How a preset calibrates: which algorithm picks every quantizer's parameters."""
+
+    SEQUENTIAL = "sequential"  # RepQ-ViT's pass: network order, quantized upstream, then the fold
+    PTQ4VIT = "ptq4vit"  # PTQ4ViT's released code: per layer on float inputs, output-scored (ptq4vit.py)
 
 
 @dataclass(frozen=True)
@@ -24,8 +32,10 @@ class Preset:
     fixed_format: bool = False  # FP formats: bit widths come from the format
     shifts: dict[str, float] = field(default_factory=dict)
     paper: str = ""
-    patch_input: tuple[str, dict[str, Any]] = ("uniform", {"method": "minmax"})  # at PATCH_INPUT_BITS
+    patch_input: tuple[str, dict[str, Any]] | None = ("uniform", {"method": "minmax"})  # at PATCH_INPUT_BITS; None: float
     token_relative: bool = False  # output-scored Linear inputs: per-token relative error (massive activations)
+    procedure: Procedure = Procedure.SEQUENTIAL
+    weight_rules: tuple[tuple[str, tuple[str, dict[str, Any]]], ...] = ()  # (module glob, quantizer): first match wins
 
 
 _PCT = {"method": "percentile"}
@@ -37,11 +47,21 @@ PRESETS: dict[str, Preset] = {
     for p in (
         Preset("minmax", "per-tensor uniform min/max everywhere (naive baseline)", {},
                ("uniform", {"method": "minmax"}), ("uniform", {"method": "minmax"})),
-        Preset("ptq4vit", "twin-uniform softmax and GELU, MSE-searched uniform elsewhere, per-channel weights "
-               "(the paper's code: Hessian-scored searches, per-tensor weights; not compared side by side)",
+        Preset("ptq4vit", "PTQ4ViT as its released code does it: every layer calibrated on float inputs; symmetric "
+               "steps, split-of-softmax and twin post-GELU searched on each layer's output with the code's Hessian "
+               "metric, whose gradient is taken on the float model (rounding noise: README); weights per tensor "
+               "(q, k, v apart), q/k/v per head, patch-embedding input float",
+               {"post_softmax": ("ptq4vit_softmax", {}), "post_gelu": ("ptq4vit_gelu", {}),
+                **{k: ("uniform_sym", {"granularity": "head"}) for k in ("q", "k", "v")}},
+               ("uniform_sym", {}), ("uniform_sym", {}), paper="PTQ4ViT (ECCV'22)", patch_input=None,
+               procedure=Procedure.PTQ4VIT,
+               weight_rules=(("*.qkv", ("uniform_sym", {"granularity": "out_channel"})),
+                             ("patch_embed.*", ("uniform_sym", {"granularity": "out_channel"})))),
+        Preset("ptq4vit-mse", "vizq's variant of PTQ4ViT (the preset called ptq4vit before vizq had the released "
+               "code's form): the paper's twin-uniform grids (Δ2 = Δ1·2^m) for softmax and post-GELU, MSE-searched "
+               "asymmetric uniform elsewhere, per-channel weights, RepQ-ViT's sequential calibration",
                {"post_softmax": ("twin", {"mode": "softmax"}), "post_gelu": ("twin", {"mode": "gelu"})},
-               ("uniform", {"method": "mse"}), ("uniform", {"granularity": "out_channel", "method": "mse"}),
-               paper="PTQ4ViT (ECCV'22)"),
+               ("uniform", {"method": "mse"}), ("uniform", {"granularity": "out_channel", "method": "mse"})),
         Preset("repq", "RepQ-ViT as its released code does it: per-channel post-LN folded (mean scale, "
                "unrounded mean zero point), log√2 softmax, 0.999/0.9999/0.99999-quantile searches on whole tensors",
                {"post_ln": _LN_PC, "post_softmax": ("logsqrt2", _PCT)},

@@ -13,8 +13,9 @@ from ..errors import InputError, VizqError
 from ..sites import KINDS
 
 #: 2: ``method`` renamed ``preset`` (a quantizer's own range search is its ``method`` option,
-#: a different thing). Version-1 files still load: :func:`migrate` renames the key.
-CONFIG_VERSION = 2
+#: a different thing). 3: ``ptq4vit`` became the released code's form; what it meant before is
+#: ``ptq4vit-mse``. Older files still load: :func:`migrate` renames what changed.
+CONFIG_VERSION = 3
 #: A configuration is a few kilobytes; anything far larger is a mistake (or hostile) and would
 #: take minutes to parse and validate, so it is refused before parsing.
 MAX_CONFIG_BYTES = 1 << 20
@@ -227,6 +228,8 @@ def migrate(d: dict[str, Any]) -> dict[str, Any]:
     d = dict(d)
     if version < 2 and "method" in d and "preset" not in d:
         d["preset"] = d.pop("method")
+    if version < 3 and d.get("preset") == "ptq4vit":
+        d["preset"] = "ptq4vit-mse"
     d["version"] = CONFIG_VERSION
     return d
 

@@ -24,6 +24,7 @@ from ..quant import Quantizer, QuantizerError, get_quantizer
 from ..quant.step import STEP_FAMILIES, StepFunction
 from ..sites import Site
 from .config import QuantConfig
+from .catalog import Procedure
 from .presets import OUTPUT_SCORED, PRESETS, Spec, plan, reparam_mode
 from .reparam import Fold, apply_fold, fold_factors
 
@@ -98,6 +99,7 @@ class QuantizedModel(nn.Module):
         # while reconstructing: site -> differentiable fake-quant of the folded input (learned scales)
         self.trainable: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         self.recon_modules: list[str] = []
+        self.passthrough = False  # hooks change nothing (a procedure reading the float network)
         self.info = loaded.info
         self.config = config
         self.sites: list[Site] = list(loaded.sites)
@@ -155,6 +157,8 @@ class QuantizedModel(nn.Module):
         return self._hook_ctx is not None
 
     def _on_tensor(self, site: Site, x: torch.Tensor) -> torch.Tensor | None:
+        if self.passthrough:
+            return None
         aq = self.acts.get(site.name)
         if aq is None:
             if site.kind == "v":
@@ -254,6 +258,35 @@ class QuantizedModel(nn.Module):
         with the quantizers before it already calibrated and applied, then calibrates.
         """
         batches = images if isinstance(images, list) else [images]
+        if PRESETS[self.config.preset].procedure is Procedure.PTQ4VIT:
+            self._calibrate_ptq4vit(images, progress, cancel)
+        else:
+            self._calibrate_sequential(batches, progress, cancel)
+        self._stash.clear()
+        if self.config.recon_iters:
+            from .recon import reconstruct
+
+            self.recon_modules = reconstruct(self, self._fp[0], batches if len(batches) > 1 else batches[0],
+                                             self.config.recon_iters, progress=recon_progress or progress,
+                                             cancel=cancel, learn_scales=self.config.recon_scales,
+                                             batch=self.config.recon_batch)
+        for aq in self.acts.values():
+            aq._last = (None, None)
+        self.calibrated = True
+        self._ticks = (None, None, 0, [0])
+        return self
+
+    def _calibrate_ptq4vit(self, images: torch.Tensor | list[torch.Tensor], progress: Progress | None,
+                           cancel: Callable[[], bool] | None) -> None:
+        from . import ptq4vit
+
+        for aq in self.acts.values():
+            aq.q.state = {}
+        ptq4vit.calibrate(self, images, progress=progress, cancel=cancel)
+
+    def _calibrate_sequential(self, batches: list[torch.Tensor], progress: Progress | None,
+                              cancel: Callable[[], bool] | None) -> None:
+        """RepQ-ViT's procedure (the module docstring)."""
         # Progress counts quantizers: the weights as one, each activation quantizer as it is
         # calibrated (in network order), the fold and weight recalibration as the last one.
         total = len(self.acts) + 2
@@ -274,19 +307,6 @@ class QuantizedModel(nn.Module):
             self._reparameterize(mode)
         self._quantize_weights()
         self._tick(f"post-LN fold ({mode}) and weights recalibrated")
-        self._stash.clear()
-        if self.config.recon_iters:
-            from .recon import reconstruct
-
-            self.recon_modules = reconstruct(self, self._fp[0], batches if len(batches) > 1 else batches[0],
-                                             self.config.recon_iters, progress=recon_progress or progress,
-                                             cancel=cancel, learn_scales=self.config.recon_scales,
-                                             batch=self.config.recon_batch)
-        for aq in self.acts.values():
-            aq._last = (None, None)
-        self.calibrated = True
-        self._ticks = (None, None, 0, [0])
-        return self
 
     def _tick(self, what: str) -> None:
         """One more quantizer calibrated; also where a cancel takes effect (between sites)."""

@@ -88,14 +88,18 @@ def plan(config: QuantConfig, sites: list[Site]) -> dict[str, Spec | None]:
     for s in sites:
         spec: Spec | None
         if s.kind == "weight":
-            q, opts = preset.weights
+            q, opts = next((w for pat, w in preset.weight_rules if fnmatch.fnmatchcase(s.module, pat)), preset.weights)
             spec = Spec(q, _bits_for(q, config.wbits), dict(opts))
         elif s.kind in QUANTIZED_ACT_KINDS:
             q, opts = preset.acts.get(s.kind, preset.default_act)
             bits = config.abits
-            if s.kind == "linear_in" and s.module.endswith("patch_embed.proj") and not preset.fixed_format:
-                (q, opts), bits = preset.patch_input, PATCH_INPUT_BITS
-            spec = Spec(q, _bits_for(q, bits), dict(opts), preset.shifts.get(s.kind, 0.0))
+            patch = s.kind == "linear_in" and s.module.endswith("patch_embed.proj") and not preset.fixed_format
+            if patch and preset.patch_input is None:
+                spec = None  # the preset leaves the image input in float
+            else:
+                if patch:
+                    (q, opts), bits = preset.patch_input, PATCH_INPUT_BITS
+                spec = Spec(q, _bits_for(q, bits), dict(opts), preset.shifts.get(s.kind, 0.0))
         else:
             spec = None
         for rule in rules:
