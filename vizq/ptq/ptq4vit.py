@@ -217,131 +217,116 @@ def _half(q: Quantizer) -> int:
 
 
 # ------------------------------------------------------------------ searches
+def _batch_chunk(n_b: int, numel_per_image: float, op: str) -> tuple[int, int]:
+    """(images per chunk, candidates per chunk): the released code halves its calibration batch
+    until two candidates fit its memory budget."""
+    nb = n_b
+    while _chunk(op, numel_per_image * nb) <= 1 and nb > 1:
+        nb //= 2
+    return nb, _chunk(op, numel_per_image * nb)
+
+
+def _summed(n_b: int, nb: int, part: Callable[[slice], Tensor]) -> Tensor:
+    """Scores per candidate: the chunks' [1, K, ...] scores stacked and summed over chunks."""
+    return torch.cat([part(slice(st, st + nb)) for st in range(0, n_b, nb)], 0).sum(0)
+
+
+def _candidates(per: int) -> list[slice]:
+    return [slice(p0, min(len(STEP_FRACTIONS), p0 + per)) for p0 in range(0, len(STEP_FRACTIONS), per)]
+
+
 def _search_linear(l: Layer, cap: Captured, w: Tensor, bias: Tensor | None, wq: Quantizer | None,
                    aq: Quantizer | None, metric: Metric) -> None:
-    """Alternating weight / input step search of one Linear (or the patch-embedding Conv,
-    whose input the released code leaves in float)."""
+    """Alternating weight / input step search of one Linear (or of the patch-embedding Conv,
+    whose input the released code leaves in float, so only its weight is searched)."""
     x, raw, grad = cap.a, cap.out, cap.grad
     conv = l.op == "conv"
-    n_b = x.shape[0]
-    dev = x.device
-    frac = _fractions(dev)
+    frac = _fractions(x.device)
     a_search = aq is not None and aq.name in ("uniform_sym", "ptq4vit_gelu") and not conv
     w_search = wq is not None and wq.name == "uniform_sym"
-    if aq is not None and not a_search:
+    if aq is not None and not a_search:  # another quantizer: calibrated alone, then held fixed
         aq.calibrate(x)
     if wq is not None and not w_search:
         wq.calibrate(w)
-    qw = _half(wq) if wq is not None else 0
     gelu = a_search and aq.name == "ptq4vit_gelu"
+    qw = _half(wq) if wq is not None else 0
     qa = _half(aq) if aq is not None else 0
-    if conv:
-        oc = w.shape[0]
-        w_step = w.abs().amax([1, 2, 3], keepdim=True) / (qw - 0.5) if w_search else None  # [oc, 1, 1, 1]
-    else:
-        oc, ic = w.shape
-        rows = oc // l.n_v
-        w_view = w.view(l.n_v, rows, 1, ic)
-        w_step = w_view.abs().amax([1, 3], keepdim=True) / (qw - 0.5) if w_search else None  # [n_v, 1, 1, 1]
-    # the released code halves its calibration batch until a chunk of two candidates fits
-    nb = n_b
-    while True:
-        numel = 2 * (x.numel() + raw.numel()) / n_b * nb
-        per = _chunk(l.op, numel)
-        if per > 1:
-            break
-        nb //= 2
-    if a_search:  # the min/max step (the largest value for post-GELU, |x| otherwise)
+    n_b = x.shape[0]
+    nb, per = _batch_chunk(n_b, 2 * (x.numel() + raw.numel()) / n_b, l.op)
+    oc = w.shape[0]
+    rows = oc // l.n_v
+    # the weight as [n_v, rows, 1, in] (or [oc, in, kh, kw]); steps broadcast against it
+    w_view = w if conv else w.view(l.n_v, rows, 1, w.shape[1])
+    w_step = w_cands = a_step = a_cands = neg = None
+    if w_search:  # min/max steps, then the candidate fractions of them
+        w_step = w_view.abs().amax([1, 2, 3] if conv else [1, 3], keepdim=True) / (qw - 0.5)
+        w_cands = frac.view(-1, 1, 1, 1, 1) * w_step.unsqueeze(0)
+    if a_search:  # post-GELU from its largest value, the others from max |x|
         a_step = ((x.amax() if gelu else x.abs().amax()) / (qa - 0.5)).reshape(1, 1)
         a_cands = frac.view(1, 1, -1) * a_step.unsqueeze(-1)  # [1, 1, 100]
-        neg = aq.neg_step(dev) if gelu else None
-    w_cands = frac.view(-1, 1, 1, 1, 1) * w_step.unsqueeze(0) if w_search else None
+        neg = aq.neg_step(x.device) if gelu else None
 
-    def quant_w(step: Tensor) -> Tensor:
-        if conv:
-            return (w / step).round_().clamp_(-qw, qw - 1).mul_(step)
-        return (w_view / step).round_().clamp_(-qw, qw - 1).mul_(step).view(oc, ic)
-
-    def weights_now() -> Tensor:
-        if w_search:
-            return quant_w(w_step)
-        return w if wq is None else wq.fake_quant(w)
-
-    def input_now(xb: Tensor) -> Tensor:
+    def quant_in(xb: Tensor) -> Tensor:
         if conv or aq is None:
             return xb
         if not a_search:
             return aq.fake_quant(xb)
-        if gelu:
-            return _gelu(xb, a_step, neg, qa)
-        return _sym(xb.clone(), a_step, qa)
+        return _gelu(xb, a_step, neg, qa) if gelu else _sym(xb.clone(), a_step, qa)
 
-    rounds = 1 if conv else ROUNDS  # the conv's input is not searched: its rounds repeat exactly
-    for _ in range(rounds):
-        if w_search:
-            total = 0
-            for st in range(0, n_b, nb):
-                xb, rb = x[st:st + nb], raw[st:st + nb]
-                gb = grad[st:st + nb] if grad is not None else None
-                xs = input_now(xb)
-                sims = []
-                for p0 in range(0, len(STEP_FRACTIONS), per):
-                    p1 = min(len(STEP_FRACTIONS), p0 + per)
-                    k = p1 - p0
-                    cur = w_cands[p0:p1]
-                    bsim = bias.repeat(k) if bias is not None else None
-                    if conv:
-                        ws = (w.unsqueeze(0) / cur).round_().clamp_(-qw, qw - 1).mul_(cur).reshape(-1, *w.shape[1:])
-                        mod = cap.extra["conv"]
-                        o = F.conv2d(xs, ws, bsim, mod.stride, mod.padding, mod.dilation, mod.groups)
-                        d = o.view(o.shape[0], k, oc, *o.shape[2:]).sub_(rb.unsqueeze(1))  # in place, as _score
-                        if metric is Metric.HESSIAN:
-                            d.mul_(gb.unsqueeze(1))
-                        s = torch.mean(d.pow_(2), [3, 4]).neg_().sum(0, keepdim=True)  # [1, k, oc]
-                    else:
-                        ws = (w_view.unsqueeze(0) / cur).round_().clamp_(-qw, qw - 1).mul_(cur).view(-1, ic)
-                        o = F.linear(xs, ws, bsim)
-                        o = o.view(*o.shape[:-1], k, l.n_v, rows)
-                        r = rb.unsqueeze(-2).view(*rb.shape[:-1], 1, l.n_v, rows)
-                        s = _score(r, o, gb, metric)  # [b, (N,) k, n_v]
-                        if s.dim() > 3:
-                            s = torch.mean(s, dim=list(range(1, s.dim() - 2)))
-                        s = s.sum(0, keepdim=True)
-                    sims.append(s)
-                chunk = torch.cat(sims, 1)
-                total = chunk if isinstance(total, int) else torch.cat([total, chunk], 0)
-            best = total.sum(0).argmax(0)  # [n_v] or [oc]
+    def weight_scores(i: slice) -> Tensor:  # [1, 100, n_v or oc]
+        xs, rb = quant_in(x[i]), raw[i]
+        gb = grad[i] if grad is not None else None
+        out = []
+        for c in _candidates(per):
+            cur = w_cands[c]
+            k = cur.shape[0]
+            ws = (w_view.unsqueeze(0) / cur).round_().clamp_(-qw, qw - 1).mul_(cur)
+            bsim = bias.repeat(k) if bias is not None else None
             if conv:
-                w_step = w_cands[best, torch.arange(oc, device=dev)]
+                o = F.conv2d(xs, ws.reshape(-1, *w.shape[1:]), bsim, cap.extra["conv"].stride,
+                             cap.extra["conv"].padding, cap.extra["conv"].dilation, cap.extra["conv"].groups)
+                d = o.view(o.shape[0], k, oc, *o.shape[2:]).sub_(rb.unsqueeze(1))  # in place, as _score
+                if metric is Metric.HESSIAN:
+                    d.mul_(gb.unsqueeze(1))
+                out.append(torch.mean(d.pow_(2), [3, 4]).neg_().sum(0, keepdim=True))
+                continue
+            o = F.linear(xs, ws.view(-1, w.shape[1]), bsim)
+            o = o.view(*o.shape[:-1], k, l.n_v, rows)
+            sc = _score(rb.view(*rb.shape[:-1], 1, l.n_v, rows), o, gb, metric)  # [b, (N,) k, n_v]
+            if sc.dim() > 3:
+                sc = torch.mean(sc, dim=list(range(1, sc.dim() - 2)))
+            out.append(sc.sum(0, keepdim=True))
+        return torch.cat(out, 1)
+
+    def input_scores(i: slice) -> Tensor:  # [1, 100]
+        xb, rb = x[i], raw[i]
+        gb = grad[i] if grad is not None else None
+        out = []
+        for c in _candidates(per):
+            cur = a_cands[:, :, c]
+            xe = xb.unsqueeze(-2).unsqueeze(-1)  # [b, (N,) 1, in, 1] against [1, 1, k]
+            if gelu:
+                xs = (xe / cur).round_().clamp_(0, qa - 1) * cur + (xe / neg).round_().clamp_(-qa, 0) * neg
             else:
-                w_step = w_cands[best, torch.arange(l.n_v, device=dev)]
+                xs = (xe / cur).round_().clamp_(-qa, qa - 1) * cur
+            lead = list(range(xs.dim() - 3))
+            xs = xs.permute(*lead, -1, -3, -2).reshape(*xb.shape[:-1], cur.shape[-1], xb.shape[-1])
+            sc = _score(rb.unsqueeze(-2), F.linear(xs, w_now, bias), gb, metric)  # [b, (N,) k]
+            if sc.dim() > 2:
+                sc = torch.mean(sc, dim=list(range(1, sc.dim() - 1)))
+            out.append(sc.sum(0, keepdim=True))
+        return torch.cat(out, 1)
+
+    for _ in range(1 if conv else ROUNDS):  # the conv's rounds would repeat exactly: no input search
+        if w_search:
+            best = _summed(n_b, nb, weight_scores).argmax(0)
+            w_step = w_cands[best, torch.arange(best.numel(), device=x.device)]
         if a_search:
-            wn = weights_now()
-            total = 0
-            for st in range(0, n_b, nb):
-                xb, rb = x[st:st + nb], raw[st:st + nb]
-                gb = grad[st:st + nb] if grad is not None else None
-                sims = []
-                for p0 in range(0, len(STEP_FRACTIONS), per):
-                    p1 = min(len(STEP_FRACTIONS), p0 + per)
-                    k = p1 - p0
-                    cur = a_cands[:, :, p0:p1]
-                    xe = xb.unsqueeze(-2).unsqueeze(-1)  # [b, (N,) 1, ic, 1]
-                    if gelu:
-                        xs = (xe / cur).round_().clamp_(0, qa - 1) * cur + (xe / neg).round_().clamp_(-qa, 0) * neg
-                    else:
-                        xs = (xe / cur).round_().clamp_(-qa, qa - 1) * cur
-                    lead = list(range(xs.dim() - 3))
-                    xs = xs.permute(*lead, -1, -3, -2).reshape(*xb.shape[:-1], k, xb.shape[-1])
-                    o = F.linear(xs, wn, bias)  # [b, (N,) k, oc]
-                    s = _score(rb.unsqueeze(-2), o, gb, metric)  # [b, (N,) k]
-                    if s.dim() > 2:
-                        s = torch.mean(s, dim=list(range(1, s.dim() - 1)))
-                    sims.append(s.sum(0, keepdim=True))
-                chunk = torch.cat(sims, 1)
-                total = chunk if isinstance(total, int) else torch.cat([total, chunk], 0)
-            best = total.sum(0).argmax(0)
-            a_step = a_cands[0, 0, best].reshape(1, 1)
+            if w_search:
+                w_now = (w_view / w_step).round_().clamp_(-qw, qw - 1).mul_(w_step).view(oc, -1)
+            else:
+                w_now = w if wq is None else wq.fake_quant(w)
+            a_step = a_cands[0, 0, _summed(n_b, nb, input_scores).argmax(0)].reshape(1, 1)
     if w_search:
         step = w_step.reshape(-1)
         if wq.options.get("granularity") == "out_channel":
@@ -351,10 +336,7 @@ def _search_linear(l: Layer, cap: Captured, w: Tensor, bias: Tensor | None, wq: 
                              "give it granularity='out_channel'")
         _set(wq, w, {"scale": step})
     if a_search:
-        state = {"scale": a_step.reshape(1)}
-        if gelu:
-            state["neg_scale"] = neg.reshape(1)
-        _set(aq, x, state)
+        _set(aq, x, {"scale": a_step.reshape(1), **({"neg_scale": neg.reshape(1)} if gelu else {})})
 
 
 def _gelu(x: Tensor, step: Tensor, neg: Tensor, q: int) -> Tensor:
@@ -375,13 +357,7 @@ def _search_matmul(l: Layer, cap: Captured, aq: Quantizer | None, bq: Quantizer 
         aq.calibrate(A)
     if bq is not None and not b_search:
         bq.calibrate(B if not l.name.endswith("matmul1") else B.transpose(-2, -1))
-    nb = n_b
-    while True:
-        numel = (A.numel() + B.numel() + 2 * raw.numel()) / n_b * nb
-        per = _chunk("matmul", numel)
-        if per > 1:
-            break
-        nb //= 2
+    nb, per = _batch_chunk(n_b, (A.numel() + B.numel() + 2 * raw.numel()) / n_b, "matmul")
     qa = _half(aq) if aq is not None else 0
     qb = _half(bq) if bq is not None else 0
 
@@ -419,36 +395,37 @@ def _search_matmul(l: Layer, cap: Captured, aq: Quantizer | None, bq: Quantizer 
             total = chunk if total is None else torch.cat([total, chunk], 1)
         return total.sum(1)
 
+    def split_scores(ab: Tensor, bb: Tensor, rb: Tensor, gb: Tensor | None) -> Tensor:  # [20, 1]
+        sims = [_score(rb, aq._apply(ab.unsqueeze(0), {"split": sp}) @ bb.unsqueeze(0), gb, metric)
+                .mean([2, 3]).sum(1, keepdim=True) for sp in splits]
+        return torch.cat(sims, 0)
+
+    def a_scores(ab: Tensor, bb: Tensor, rb: Tensor, gb: Tensor | None) -> Tensor:  # [100, 1, H]
+        bs = b_now(bb).unsqueeze(0)
+        sims = []
+        for c in _candidates(per):
+            cur = hv(a_cands[c])
+            o = ((ab.unsqueeze(0) / cur).round_().clamp_(-qa, qa - 1).mul_(cur)) @ bs
+            sims.append(_score(rb, o, gb, metric).mean([3]).sum(1, keepdim=True))
+        return torch.cat(sims, 0)
+
+    def b_scores(ab: Tensor, bb: Tensor, rb: Tensor, gb: Tensor | None) -> Tensor:  # [100, 1, H]
+        as_ = a_now(ab).unsqueeze(0)
+        sims = []
+        for c in _candidates(per):
+            cur = hv(b_cands[c])
+            o = as_ @ ((bb.unsqueeze(0) / cur).round_().clamp_(-qb, qb - 1).mul_(cur))
+            sims.append(_score(rb, o, gb, metric).mean([3]).sum(1, keepdim=True))
+        return torch.cat(sims, 0)
+
+    every_head = torch.arange(heads, device=dev)
     for _ in range(ROUNDS):
-        if sos:
-            def split_scores(ab: Tensor, bb: Tensor, rb: Tensor, gb: Tensor | None) -> Tensor:
-                sims = []
-                for i in range(len(SPLITS)):
-                    o = aq._apply(ab.unsqueeze(0), {"split": splits[i]}) @ bb.unsqueeze(0)
-                    s = _score(rb, o, gb, metric).mean([2, 3]).sum(1, keepdim=True)  # [1, 1]
-                    sims.append(s)
-                return torch.cat(sims, 0)
+        if sos:  # against the float v, as the released code scores it
             split = splits[per_head(split_scores).argmax(0)]
         elif a_search:
-            def a_scores(ab: Tensor, bb: Tensor, rb: Tensor, gb: Tensor | None) -> Tensor:
-                bs = b_now(bb).unsqueeze(0)
-                sims = []
-                for p0 in range(0, len(STEP_FRACTIONS), per):
-                    cur = hv(a_cands[p0:p0 + per])
-                    o = ((ab.unsqueeze(0) / cur).round_().clamp_(-qa, qa - 1).mul_(cur)) @ bs
-                    sims.append(_score(rb, o, gb, metric).mean([3]).sum(1, keepdim=True))  # [k, 1, H]
-                return torch.cat(sims, 0)
-            a_step = a_cands[per_head(a_scores).argmax(0), torch.arange(heads, device=dev)]
+            a_step = a_cands[per_head(a_scores).argmax(0), every_head]
         if b_search:
-            def b_scores(ab: Tensor, bb: Tensor, rb: Tensor, gb: Tensor | None) -> Tensor:
-                as_ = a_now(ab).unsqueeze(0)
-                sims = []
-                for p0 in range(0, len(STEP_FRACTIONS), per):
-                    cur = hv(b_cands[p0:p0 + per])
-                    o = as_ @ ((bb.unsqueeze(0) / cur).round_().clamp_(-qb, qb - 1).mul_(cur))
-                    sims.append(_score(rb, o, gb, metric).mean([3]).sum(1, keepdim=True))
-                return torch.cat(sims, 0)
-            b_step = b_cands[per_head(b_scores).argmax(0), torch.arange(heads, device=dev)]
+            b_step = b_cands[per_head(b_scores).argmax(0), every_head]
     if sos:
         _set(aq, A, {"split": split.reshape(1)})
     elif a_search:
