@@ -400,32 +400,30 @@ def _search_matmul(l: Layer, cap: Captured, aq: Quantizer | None, bq: Quantizer 
                 .mean([2, 3]).sum(1, keepdim=True) for sp in splits]
         return torch.cat(sims, 0)
 
-    def a_scores(ab: Tensor, bb: Tensor, rb: Tensor, gb: Tensor | None) -> Tensor:  # [100, 1, H]
-        bs = b_now(bb).unsqueeze(0)
-        sims = []
-        for c in _candidates(per):
-            cur = hv(a_cands[c])
-            o = ((ab.unsqueeze(0) / cur).round_().clamp_(-qa, qa - 1).mul_(cur)) @ bs
-            sims.append(_score(rb, o, gb, metric).mean([3]).sum(1, keepdim=True))
-        return torch.cat(sims, 0)
+    def operand_scores(first: bool) -> Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]:
+        """Scores [100, 1, H] of one operand's candidate steps, the other operand as it is now."""
+        cands, q = (a_cands, qa) if first else (b_cands, qb)
 
-    def b_scores(ab: Tensor, bb: Tensor, rb: Tensor, gb: Tensor | None) -> Tensor:  # [100, 1, H]
-        as_ = a_now(ab).unsqueeze(0)
-        sims = []
-        for c in _candidates(per):
-            cur = hv(b_cands[c])
-            o = as_ @ ((bb.unsqueeze(0) / cur).round_().clamp_(-qb, qb - 1).mul_(cur))
-            sims.append(_score(rb, o, gb, metric).mean([3]).sum(1, keepdim=True))
-        return torch.cat(sims, 0)
+        def scores(ab: Tensor, bb: Tensor, rb: Tensor, gb: Tensor | None) -> Tensor:
+            moving, fixed = (ab, b_now(bb)) if first else (bb, a_now(ab))
+            fixed = fixed.unsqueeze(0)
+            sims = []
+            for c in _candidates(per):
+                cur = hv(cands[c])
+                mq = (moving.unsqueeze(0) / cur).round_().clamp_(-q, q - 1).mul_(cur)
+                o = mq @ fixed if first else fixed @ mq
+                sims.append(_score(rb, o, gb, metric).mean([3]).sum(1, keepdim=True))
+            return torch.cat(sims, 0)
+        return scores
 
     every_head = torch.arange(heads, device=dev)
     for _ in range(ROUNDS):
         if sos:  # against the float v, as the released code scores it
             split = splits[per_head(split_scores).argmax(0)]
         elif a_search:
-            a_step = a_cands[per_head(a_scores).argmax(0), every_head]
+            a_step = a_cands[per_head(operand_scores(True)).argmax(0), every_head]
         if b_search:
-            b_step = b_cands[per_head(b_scores).argmax(0), every_head]
+            b_step = b_cands[per_head(operand_scores(False)).argmax(0), every_head]
     if sos:
         _set(aq, A, {"split": split.reshape(1)})
     elif a_search:
