@@ -27,7 +27,7 @@ if lm.info.modality == "text":
             "nearest-neighbour retrieval among the evaluated sentences (top-1 agreement, recall@10).")
 
 with guard("Checking the configuration"):
-    cfg = config_form()
+    cfg = config_form(lm.info.modality)
 n_eval = kept(st.number_input, f"Evaluation {unit} (disjoint from calibration)", "eval-n", 500, min_value=1,
               max_value=50000, step=50)
 with guard("Reading the data"):

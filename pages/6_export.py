@@ -20,7 +20,7 @@ data = current_data()
 st.markdown(f"**Calibration data:** {data.label(lm)}. The configuration below is the one on *Evaluate* "
             "(one form, shared by both pages).")
 with guard("Checking the configuration"):
-    cfg = config_form()
+    cfg = config_form(lm.info.modality)
 
 c1, c2 = st.columns(2)
 c1.download_button("Configuration (JSON)", cfg.to_json(), file_name="vizq-config.json", mime="application/json", on_click="ignore")

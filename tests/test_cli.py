@@ -44,8 +44,8 @@ def test_compare_reports_every_metric(tmp_path):
 
 def test_eval_export_and_reuse(tmp_path):
     vizq("export", "--preset", "repq", "--wbits", "4", "--abits", "4", "--out", str(tmp_path / "exp"))
-    a = vizq("eval", "--preset", "repq", "--images", "200", "--json", str(tmp_path / "a.json"))
-    vizq("eval", "--config", str(tmp_path / "exp"), "--images", "200", "--json", str(tmp_path / "b.json"))
+    a = vizq("eval", "--preset", "repq", "--images", "60", "--json", str(tmp_path / "a.json"))
+    vizq("eval", "--config", str(tmp_path / "exp"), "--images", "60", "--json", str(tmp_path / "b.json"))
     ra, rb = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
     assert "q_top1" in a.stdout
     assert ra["q_top1"] == rb["q_top1"] and ra["kl"] == rb["kl"] and ra["agreement"] == rb["agreement"]

@@ -8,11 +8,11 @@ import torch
 
 from vizq.capture import capture_activations, channel_variation, hook_count
 from vizq.data import DataError, resolve_images
-from vizq.ptq.config import QuantConfig
+from vizq.ptq.config import ConfigError, QuantConfig
 from vizq.ptq.engine import QuantizedModel
 from vizq.ptq.evaluate import calibration_batch, retrieval_metrics, run_eval
 from vizq.ptq.export import export, load_export
-from vizq.ptq.presets import PRESETS
+from vizq.ptq.presets import PRESETS, presets_for
 
 SHORT = ["A cat sat on the mat.", "The train was late.", "Quantization adds noise.", "Snow fell all night.",
          "I like green tea.", "The bank raised rates.", "Bees make honey.", "He fixed the bug."]
@@ -114,13 +114,20 @@ def test_qdrop_keeps_the_folded_float_value(minilm, short_texts):
                 assert ((out - ref).norm() / ref.norm()) < 1e-5
 
 
-@pytest.mark.parametrize("method", list(PRESETS))
+@pytest.mark.parametrize("method", presets_for("text"))
 def test_every_preset_runs(minilm, method):
     res, qm = run_eval(minilm, QuantConfig(preset=method, wbits=8, abits=8, calibration={"images": 8, "seed": 0, "batch_size": 8}),
                        n_eval=40)
     qm.remove_hooks()
     assert res.eval_images == 40 and 0.5 < res.metrics["mean_cosine"] <= 1.0
     assert set(res.metrics) == {"mean_cosine", "min_cosine", "nn_top1_agreement", "recall_at_10"}
+
+
+def test_image_only_presets_are_refused_before_any_work(minilm):
+    image_only = sorted(set(PRESETS) - set(presets_for("text")))
+    assert image_only == ["ptq4vit"]
+    with pytest.raises(ConfigError, match="applies to image models, not text ones; use one of minmax, ptq4vit-mse"):
+        QuantizedModel(minilm, QuantConfig(preset="ptq4vit", wbits=8, abits=8))
 
 
 def test_channel_aware_methods_keep_far_more_at_4_bits(minilm):

@@ -120,9 +120,10 @@ def test_evaluation_runs_in_background_and_lands_in_history(app):
 def test_reconstruction_is_a_choice_on_evaluate_and_history_says_it_was_used(app):
     at = _goto(app, "pages/5_evaluate.py")
     assert at.checkbox(key="cfg-rscales").disabled  # nothing to learn scales in until steps are set
+    at.number_input(key="cfg-calib").set_value(4).run()  # what is checked is the record, not the accuracy
     at.number_input(key="cfg-recon").set_value(20).run()
     at.checkbox(key="cfg-rscales").check().run()
-    at.number_input[-1].set_value(50)
+    at.number_input[-1].set_value(20)
     next(b for b in at.button if b.label == "Run evaluation").click().run()
     _wait(at, lambda a: any("agreement" in s.value for s in a.success))
     msg = next(s.value for s in at.success if "agreement" in s.value)

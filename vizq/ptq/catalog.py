@@ -36,6 +36,9 @@ class Preset:
     token_relative: bool = False  # output-scored Linear inputs: per-token relative error (massive activations)
     procedure: Procedure = Procedure.SEQUENTIAL
     weight_rules: tuple[tuple[str, tuple[str, dict[str, Any]]], ...] = ()  # (module glob, quantizer): first match wins
+    # the model kinds (``ModelInfo.modality``) it applies to: PTQ4ViT's metric is the KL of a
+    # classifier's softmax, which a sentence encoder's embedding does not have
+    modalities: tuple[str, ...] = ("image", "text")
 
 
 _PCT = {"method": "percentile"}
@@ -54,7 +57,7 @@ PRESETS: dict[str, Preset] = {
                {"post_softmax": ("ptq4vit_softmax", {}), "post_gelu": ("ptq4vit_gelu", {}),
                 **{k: ("uniform_sym", {"granularity": "head"}) for k in ("q", "k", "v")}},
                ("uniform_sym", {}), ("uniform_sym", {}), paper="PTQ4ViT (ECCV'22)", patch_input=None,
-               procedure=Procedure.PTQ4VIT,
+               procedure=Procedure.PTQ4VIT, modalities=("image",),
                weight_rules=(("*.qkv", ("uniform_sym", {"granularity": "out_channel"})),
                              ("patch_embed.*", ("uniform_sym", {"granularity": "out_channel"})))),
         Preset("ptq4vit-mse", "vizq's variant of PTQ4ViT (the preset called ptq4vit before vizq had the released "
@@ -96,4 +99,9 @@ PRESETS: dict[str, Preset] = {
 
 #: Kinds whose searches are scored on the output of the operation they feed (AdaLog's FPCS;
 #: for repq+, the post-GELU range: the error of fc2's output, not of its input).
+def presets_for(modality: str) -> list[str]:
+    """The preset names that apply to a model of this modality, in table order."""
+    return [n for n, p in PRESETS.items() if modality in p.modalities]
+
+
 OUTPUT_SCORED = {"adalog": ("post_softmax", "post_gelu"), "repq+": ("post_gelu",)}

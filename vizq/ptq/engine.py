@@ -25,7 +25,7 @@ from ..quant.step import STEP_FAMILIES, StepFunction
 from ..sites import Site
 from .config import QuantConfig
 from .catalog import Procedure
-from .presets import OUTPUT_SCORED, PRESETS, Spec, plan, reparam_mode
+from .presets import OUTPUT_SCORED, PRESETS, Spec, check_modality, plan, reparam_mode
 from .reparam import Fold, apply_fold, fold_factors
 
 Progress = Callable[[int, int, str], None]
@@ -90,6 +90,7 @@ class QuantizedModel(nn.Module):
 
     def __init__(self, loaded: Any, config: QuantConfig) -> None:
         super().__init__()
+        check_modality(config, loaded.info.modality)
         self.calib_ids: list[str] = []  # the samples it was calibrated on (manifests, reports)
         self.model = copy.deepcopy(loaded.model)
         self._fp = [loaded.model]  # the float original, for reconstruction (a list: not a submodule)

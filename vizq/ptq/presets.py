@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..sites import Site
-from .catalog import GELU_SHIFT, OUTPUT_SCORED, PATCH_INPUT_BITS, PRESETS, QUANTIZED_ACT_KINDS, Preset
+from .catalog import GELU_SHIFT, OUTPUT_SCORED, PATCH_INPUT_BITS, PRESETS, QUANTIZED_ACT_KINDS, Preset, presets_for
 from .config import ConfigError, QuantConfig, Rule
 
-__all__ = ["GELU_SHIFT", "OUTPUT_SCORED", "PATCH_INPUT_BITS", "PRESETS", "QUANTIZED_ACT_KINDS", "Preset", "Spec", "plan"]
+__all__ = ["GELU_SHIFT", "OUTPUT_SCORED", "PATCH_INPUT_BITS", "PRESETS", "QUANTIZED_ACT_KINDS", "Preset", "Spec",
+           "check_modality", "plan", "presets_for"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,14 @@ def check_overrides(config: QuantConfig, sites: list[Site]) -> None:
             if gran is not None and gran not in GRANULARITIES.get(s.kind, ("tensor",)):
                 raise ConfigError(f"override {key!r}: granularity={gran!r} cannot apply to {s.name} ({s.kind}); "
                                   f"use one of {', '.join(GRANULARITIES.get(s.kind, ('tensor',)))}")
+
+
+def check_modality(config: QuantConfig, modality: str) -> None:
+    """A preset made for one kind of model fails on another before any work, naming the ones
+    that apply (ptq4vit's Hessian metric needs a classifier's softmax; a text encoder has none)."""
+    if modality not in PRESETS[config.preset].modalities:
+        raise ConfigError(f"preset {config.preset!r} applies to {' and '.join(PRESETS[config.preset].modalities)} "
+                          f"models, not {modality} ones; use one of {', '.join(presets_for(modality))}")
 
 
 def plan(config: QuantConfig, sites: list[Site]) -> dict[str, Spec | None]:

@@ -9,15 +9,20 @@ import pandas as pd
 import streamlit as st
 
 from ..ptq.config import QuantConfig
-from ..ptq.presets import PRESETS, QUANTIZED_ACT_KINDS
+from ..ptq.presets import PRESETS, QUANTIZED_ACT_KINDS, presets_for
 from ..quant import list_quantizers
 from .state import kept
 
 
-def config_form(prefix: str = "cfg") -> QuantConfig:
-    """The config the user built (raises ConfigError when it does not validate)."""
+def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
+    """The config the user built (raises ConfigError when it does not validate); only the
+    presets that apply to a ``modality`` model are offered."""
     c1, c2, c3 = st.columns([2, 1, 1])
-    method = kept(c1.selectbox, "Preset", f"{prefix}-method", "repq", options=list(PRESETS),
+    offered = presets_for(modality)
+    store = st.session_state.setdefault("_kept", {})
+    if store.get(f"{prefix}-method", "repq") not in offered:  # chosen for a model of another kind
+        store.pop(f"{prefix}-method")
+    method = kept(c1.selectbox, "Preset", f"{prefix}-method", "repq", options=offered,
                   format_func=lambda m: f"{m} ({PRESETS[m].paper})" if PRESETS[m].paper else m)
     wbits = kept(c2.selectbox, "W bits", f"{prefix}-w", 4, options=[2, 3, 4, 5, 6, 8])
     abits = kept(c3.selectbox, "A bits", f"{prefix}-a", 4, options=[2, 3, 4, 5, 6, 8])
@@ -28,7 +33,6 @@ def config_form(prefix: str = "cfg") -> QuantConfig:
     calib = kept(c1.number_input, "Calibration images", f"{prefix}-calib", 32, min_value=1, max_value=1024)
     seed = kept(c2.number_input, "Calibration seed", f"{prefix}-seed", 0, min_value=0, max_value=2**31 - 1)
     overrides = {}
-    store = st.session_state.setdefault("_kept", {})
     with st.expander("Custom mix: override the quantizer per site kind"):
         base = store.get(f"{prefix}-ovr-table") or [{"kind": k, "quantizer": "(preset)", "bits": 0, "enabled": True}
                                                     for k in QUANTIZED_ACT_KINDS + ("weight",)]
