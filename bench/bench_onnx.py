@@ -14,6 +14,7 @@ import argparse
 import io
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +22,8 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/x.py` finds vizq
 
 from vizq.models import load_model
 from vizq.ptq.config import QuantConfig

@@ -13,6 +13,11 @@ import time
 
 import torch
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/x.py` finds vizq
+
 from vizq.models import load_model
 from vizq.ptq.config import QuantConfig
 from vizq.ptq.engine import QuantizedModel

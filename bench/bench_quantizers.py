@@ -10,6 +10,11 @@ import time
 
 import torch
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/x.py` finds vizq
+
 from vizq.quant import get_quantizer, list_quantizers
 
 

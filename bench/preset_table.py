@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import argparse
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/x.py` finds vizq
+
 from vizq.models import load_model
 from vizq.ptq.config import QuantConfig
 from vizq.ptq.evaluate import run_eval

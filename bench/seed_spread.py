@@ -15,6 +15,11 @@ import argparse
 import json
 import statistics
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/x.py` finds vizq
+
 from vizq.dataspec import DataSpec
 from vizq.models import load_model
 from vizq.ptq.config import QuantConfig
