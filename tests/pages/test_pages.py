@@ -269,6 +269,24 @@ def test_every_page_accepts_the_text_model(app):
     assert len(at.get("plotly_chart")) >= 3
 
 
+def test_text_model_is_offered_only_what_applies_to_it(app):
+    at = _goto(app, "pages/5_evaluate.py")
+    at.selectbox(key="cfg-method").set_value("ptq4vit").run()  # chosen for the image model
+    at.session_state["model_mode"] = "text"
+    at.session_state["model_spec"] = "minilm-l6"
+    at.session_state["n_images"] = 16
+    at = _goto(at, "pages/6_export.py")
+    box = at.selectbox(key="cfg-method")
+    from vizq.ptq.presets import PRESETS, presets_for
+
+    offered = [o.split(" ")[0] for o in box.options]  # shown as "name (paper)"
+    assert offered == presets_for("text") and "ptq4vit" in PRESETS and "ptq4vit" not in offered
+    assert box.value == "repq"
+    assert at.number_input(key="cfg-calib").label == "Calibration sentences"
+    assert any("ONNX QDQ export covers image models" in i.value for i in at.info)
+    assert not any(b.label.startswith("Build model.onnx") for b in at.button)
+
+
 def test_export_page_builds_onnx_and_shows_research_vs_deployable(app, tmp_path):
     from vizq.models import load_model
     from vizq.ptq.deploy import load
