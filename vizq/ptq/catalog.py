@@ -39,6 +39,7 @@ class Preset:
     # the model kinds (``ModelInfo.modality``) it applies to: PTQ4ViT's metric is the KL of a
     # classifier's softmax, which a sentence encoder's embedding does not have
     modalities: tuple[str, ...] = ("image", "text")
+    cost: str = ""  # what calibration costs, where it is far above seconds (shown before a run starts)
 
 
 _PCT = {"method": "percentile"}
@@ -58,6 +59,9 @@ PRESETS: dict[str, Preset] = {
                 **{k: ("uniform_sym", {"granularity": "head"}) for k in ("q", "k", "v")}},
                ("uniform_sym", {}), ("uniform_sym", {}), paper="PTQ4ViT (ECCV'22)", patch_input=None,
                procedure=Procedure.PTQ4VIT, modalities=("image",),
+               cost="slow by design: 100 candidate steps × 3 rounds × weight and input of every layer, each scored on "
+                    "the layer's output; ViT-Ti with 32 calibration images takes tens of minutes on 2 CPU cores "
+                    "(time grows with the images)",
                weight_rules=(("*.qkv", ("uniform_sym", {"granularity": "out_channel"})),
                              ("patch_embed.*", ("uniform_sym", {"granularity": "out_channel"})))),
         Preset("ptq4vit-mse", "vizq's variant of PTQ4ViT (the preset called ptq4vit before vizq had the released "

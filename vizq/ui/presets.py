@@ -27,6 +27,8 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
     wbits = kept(c2.selectbox, "W bits", f"{prefix}-w", 4, options=[2, 3, 4, 5, 6, 8])
     abits = kept(c3.selectbox, "A bits", f"{prefix}-a", 4, options=[2, 3, 4, 5, 6, 8])
     st.caption(f"**{method}**: {PRESETS[method].description}")  # in full: what it does and how faithful it is
+    if PRESETS[method].cost:
+        st.warning(f"{method}: {PRESETS[method].cost}.")
     if PRESETS[method].fixed_format:
         st.caption(f"{method} is a fixed-width format: its own bit widths apply, not the W/A bits above.")
     c1, c2, c3 = st.columns(3)
