@@ -32,7 +32,8 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
     if PRESETS[method].fixed_format:
         st.caption(f"{method} is a fixed-width format: its own bit widths apply, not the W/A bits above.")
     c1, c2, c3 = st.columns(3)
-    calib = kept(c1.number_input, f"Calibration {'sentences' if modality == 'text' else 'images'}", f"{prefix}-calib", 32, min_value=1, max_value=1024)
+    unit = "sentences" if modality == "text" else "images"
+    calib = kept(c1.number_input, f"Calibration {unit}", f"{prefix}-calib", 32, min_value=1, max_value=1024)
     seed = kept(c2.number_input, "Calibration seed", f"{prefix}-seed", 0, min_value=0, max_value=2**31 - 1)
     overrides = {}
     with st.expander("Custom mix: override the quantizer per site kind"):
