@@ -60,7 +60,7 @@ PRESETS: dict[str, Preset] = {
                ("uniform_sym", {}), ("uniform_sym", {}), paper="PTQ4ViT (ECCV'22)", patch_input=None,
                procedure=Procedure.PTQ4VIT, modalities=("image",),
                cost="slow by design: 100 candidate steps × 3 rounds × weight and input of every layer, each scored on "
-                    "the layer's output; ViT-Ti with 32 calibration images takes tens of minutes on 2 CPU cores "
+                    "the layer's output; ViT-Ti with 32 calibration images takes about 20 minutes on 2 CPU cores "
                     "(time grows with the images)",
                weight_rules=(("*.qkv", ("uniform_sym", {"granularity": "out_channel"})),
                              ("patch_embed.*", ("uniform_sym", {"granularity": "out_channel"})))),
