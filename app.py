@@ -3,7 +3,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from vizq.ui.state import data_label, init_state
+from vizq.ui.state import chosen_units, data_label, init_state
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -30,6 +30,6 @@ with st.sidebar:
         st.page_link(page)
     st.divider()
     s = st.session_state
-    st.markdown(f"**Model** `{s.model_spec}`  \n**Data** {data_label()} · up to {s.n_images} images · seed {s.seed}")
+    st.markdown(f"**Model** `{s.model_spec}`  \n**Data** {data_label()} · up to {s.n_images} {chosen_units()} · seed {s.seed}")
     st.caption("Change them on *Model & data*.")
 nav.run()

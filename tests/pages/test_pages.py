@@ -251,6 +251,7 @@ def test_text_model_pages_speak_of_sentences(app):
     assert any("16 sentences" in s.value for s in at.success)
     assert any("minilm-l6" in m.value for m in at.sidebar.markdown)
     assert any("bundled sentences" in m.value for m in at.sidebar.markdown)
+    assert any("up to 16 sentences" in m.value for m in at.sidebar.markdown)
 
 
 def test_every_page_accepts_the_text_model(app):

@@ -11,7 +11,7 @@ import streamlit as st
 from ..ptq.config import QuantConfig
 from ..ptq.presets import PRESETS, QUANTIZED_ACT_KINDS, presets_for
 from ..quant import list_quantizers
-from .state import kept
+from .state import kept, units_of
 
 
 def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
@@ -32,8 +32,7 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
     if PRESETS[method].fixed_format:
         st.caption(f"{method} is a fixed-width format: its own bit widths apply, not the W/A bits above.")
     c1, c2, c3 = st.columns(3)
-    unit = "sentences" if modality == "text" else "images"
-    calib = kept(c1.number_input, f"Calibration {unit}", f"{prefix}-calib", 32, min_value=1, max_value=1024)
+    calib = kept(c1.number_input, f"Calibration {units_of(modality)}", f"{prefix}-calib", 32, min_value=1, max_value=1024)
     seed = kept(c2.number_input, "Calibration seed", f"{prefix}-seed", 0, min_value=0, max_value=2**31 - 1)
     overrides = {}
     with st.expander("Custom mix: override the quantizer per site kind"):

@@ -112,7 +112,23 @@ def current_images(lm: Any, part: str = "eval") -> Any:
 
 def units(lm: Any) -> str:
     """What the model's samples are called on the page."""
-    return "sentences" if getattr(lm.info, "modality", "image") == "text" else "images"
+    return units_of(getattr(lm.info, "modality", "image"))
+
+
+def units_of(modality: str) -> str:
+    """What a ``modality`` model's samples are called."""
+    return "sentences" if modality == "text" else "images"
+
+
+def chosen_units() -> str:
+    """What the chosen model's samples are called, from its family alone (the sidebar is drawn
+    before any page loads the model)."""
+    from ..models import family_for
+
+    try:
+        return units_of(family_for(st.session_state.model_spec).modality)
+    except Exception:  # noqa: BLE001 - an unusable spec is reported by the page that loads it
+        return "images"
 
 
 def kept(widget: Callable[..., Any], label: str, key: str, default: Any, **kw: Any) -> Any:
