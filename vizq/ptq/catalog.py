@@ -103,9 +103,9 @@ PRESETS: dict[str, Preset] = {
 
 #: Kinds whose searches are scored on the output of the operation they feed (AdaLog's FPCS;
 #: for repq+, the post-GELU range: the error of fc2's output, not of its input).
+OUTPUT_SCORED = {"adalog": ("post_softmax", "post_gelu"), "repq+": ("post_gelu",)}
+
+
 def presets_for(modality: str) -> list[str]:
     """The preset names that apply to a model of this modality, in table order."""
     return [n for n, p in PRESETS.items() if modality in p.modalities]
-
-
-OUTPUT_SCORED = {"adalog": ("post_softmax", "post_gelu"), "repq+": ("post_gelu",)}
