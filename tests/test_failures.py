@@ -177,6 +177,32 @@ sys.exit(main(["capture", "--images", "8", "--out", {str(out)!r}]))
     assert list(tmp_path.iterdir()) == []  # no half-written file, no temp file
 
 
+# Sends the interrupt at the worst moment of the import: while torch's C code imports numpy, where
+# torch treats any failure (a KeyboardInterrupt too) as "numpy unavailable" and carries on.
+_INTERRUPT_INSIDE_NUMPY_IMPORT = """
+import importlib.abc, os, runpy, signal, sys
+class Interrupt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "numpy._core._multiarray_umath":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["vizq", "eval", "--preset", "repq", "--images", "8", "--json", sys.argv[1]]
+runpy.run_module("vizq", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_while_torch_imports_numpy_is_not_swallowed(tmp_path):
+    """Unshielded, this run ignored the Ctrl-C and finished (exit 0), or died on a half-imported numpy."""
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-c", _INTERRUPT_INSIDE_NUMPY_IMPORT, str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 130, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and "cancelled" in p.stderr
+    assert not out.exists()
+
+
 def test_ctrl_c_at_any_moment_exits_130_without_traceback(tmp_path):
     for delay in (0.3, 4.0):  # while importing torch, and while working
         p = subprocess.Popen([sys.executable, "-m", "vizq", "eval", "--preset", "repq", "--images", "1000",
