@@ -10,9 +10,12 @@ import torch
 # thread each keeps them from fighting over the cores; a single process uses both.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
+# Shallow on purpose: what these check (every site kind, every preset, folds, exports) repeats per
+# block, so 4 DeiT blocks and 2 Swin blocks per stage (a shifted window in each stage that has
+# room for one) test the same code as the full depth at a third of the time.
 SMALL = {
-    "deit": ("random:deit_tiny_patch16_224", {"img_size": 64}),
-    "swin": ("random:swin_tiny_patch4_window7_224", {"img_size": 64, "window_size": 4}),
+    "deit": ("random:deit_tiny_patch16_224", {"img_size": 64, "depth": 4}),
+    "swin": ("random:swin_tiny_patch4_window7_224", {"img_size": 64, "window_size": 4, "depths": (2, 2, 2, 2)}),
 }
 
 

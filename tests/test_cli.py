@@ -1,19 +1,44 @@
-"""The command line end to end on the bundled model (real subprocesses)."""
+"""The command line end to end on the bundled model.
+
+Commands run through ``vizq.cli.main`` in this process: a fresh interpreter costs ~6 s of torch,
+torchvision and timm imports per command on this 2-core class of machine, which is most of what
+these tests would measure. What only a real interpreter shows (``python -m vizq`` itself, Ctrl-C
+during the import, a killed or disk-full run) is tested with real subprocesses in
+``test_failures.py`` and below.
+"""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+from vizq.cli import main
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def vizq(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "vizq", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    """``python -m vizq ARGS`` as the CLI's own entry function sees it: exit code, stdout, stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(args))
+        except SystemExit as e:  # argparse's --help and its own usage errors
+            rc = e.code if isinstance(e.code, int) else 2
+    p = subprocess.CompletedProcess(["vizq", *args], rc, out.getvalue(), err.getvalue())
     if check:
         assert p.returncode == 0, p.stderr
     return p
+
+
+def test_python_dash_m_vizq_is_the_same_command():
+    """One real interpreter: the module entry point runs the same command and exit code."""
+    p = subprocess.run([sys.executable, "-m", "vizq", "models"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == vizq("models").stdout
 
 
 def test_models_lists_loadable_and_needing_weights():

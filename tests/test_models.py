@@ -7,6 +7,7 @@ import pytest
 import timm
 import torch
 from safetensors.torch import save_file
+from conftest import SMALL
 
 from vizq.models import SUPPORTED_ARCHS, ModelLoadError, load_model
 from vizq.sites import KINDS, select_sites
@@ -40,7 +41,7 @@ def test_bundled_model_is_accurate_on_heldout_digits(bundled):
 def test_instrumented_attention_matches_timm(small_model):
     """Taps and the unfused forward change no output (against timm's own fused model)."""
     arch = small_model.info.arch
-    kw = {"img_size": 64, **({"window_size": 4} if "swin" in arch else {})}
+    _, kw = next(v for v in SMALL.values() if v[0] == f"random:{arch}")
     ref = timm.create_model(arch, pretrained=False, **kw).eval()
     ref.load_state_dict(small_model.model.state_dict())
     x = torch.randn(2, *small_model.info.input_size)

@@ -83,7 +83,7 @@ def test_reparameterization_is_exact_in_floating_point(small_model):
                    fold_factors(scale, zp, "median" if folded % 2 else "mean"))
         folded += 1
     out = qm.model(x)
-    assert folded >= 24
+    assert folded >= 8  # every norm1/norm2 (and Swin's patch-merging norms) of the shallow fixtures
     assert ((out - ref).norm() / ref.norm()) < 1e-4
     if "swin" in small_model.info.arch:  # patch merging got the bias it lacked
         assert qm.model.get_submodule("layers.1.downsample.reduction").bias is not None

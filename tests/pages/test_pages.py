@@ -21,18 +21,26 @@ PAGES = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _caches_of_this_module():
+    """Loaded models and captures are shared by the tests here as by the sessions of one server
+    (they are never mutated; keys name model, data, count and seed): each test opens a new
+    session, and only the first pays for loading and capturing."""
+    st.cache_resource.clear()
+    st.cache_data.clear()
+    yield
+    st.cache_resource.clear()
+
+
 @pytest.fixture()
 def app(tmp_path, monkeypatch):
     monkeypatch.setenv("VIZQ_HOME", str(tmp_path))
     monkeypatch.setenv("VIZQ_DASHBOARD_MODEL", "vizq-vit-tiny")  # the fast fixture; the real default has its own test
     monkeypatch.chdir(ROOT)
-    st.cache_resource.clear()
-    st.cache_data.clear()
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
     at.run()
     assert not at.exception
-    yield at
-    st.cache_resource.clear()
+    return at
 
 
 def _fresh(**state) -> AppTest:
@@ -314,7 +322,6 @@ def test_dashboard_opens_on_the_real_vit_and_shows_its_massive_activations(monke
     photographs, and the massive-activation view finds what real ViTs have."""
     monkeypatch.delenv("VIZQ_DASHBOARD_MODEL", raising=False)
     monkeypatch.chdir(ROOT)
-    st.cache_resource.clear()
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=300)
     at.run()
     assert not at.exception
@@ -326,4 +333,4 @@ def test_dashboard_opens_on_the_real_vit_and_shows_its_massive_activations(monke
     assert not found["sites with massive values"].startswith("0 ")
     assert float(found["largest |x| / median"].rstrip("×").replace(",", "")) >= 1000
     assert len(at.get("plotly_chart")) >= 3  # sites, locations, range study
-    st.cache_resource.clear()
+    st.cache_resource.clear()  # the real ViT's 20 MB of weights and its captures are not needed after this
