@@ -193,11 +193,18 @@ runpy.run_module("vizq", run_name="__main__", alter_sys=True)
 """
 
 
+def _as_at_a_terminal() -> None:
+    """A shell runs background jobs (``./test.sh &``) with SIGINT ignored, and children inherit
+    that; the child here must get Ctrl-C as a command typed at a terminal does."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_while_torch_imports_numpy_is_not_swallowed(tmp_path):
     """Unshielded, this run ignored the Ctrl-C and finished (exit 0), or died on a half-imported numpy."""
     out = tmp_path / "r.json"
     p = subprocess.run([sys.executable, "-c", _INTERRUPT_INSIDE_NUMPY_IMPORT, str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       preexec_fn=_as_at_a_terminal)
     assert p.returncode == 130, p.stderr[-2000:]
     assert "Traceback" not in p.stderr and "cancelled" in p.stderr
     assert not out.exists()
@@ -206,7 +213,8 @@ def test_ctrl_c_while_torch_imports_numpy_is_not_swallowed(tmp_path):
 def test_ctrl_c_at_any_moment_exits_130_without_traceback(tmp_path):
     for delay in (1.5, 5.0):  # while the libraries import (shielded: acted on after), and while working
         p = subprocess.Popen([sys.executable, "-m", "vizq", "eval", "--preset", "repq", "--images", "1000",
-                              "--json", str(tmp_path / "r.json")], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+                              "--json", str(tmp_path / "r.json")], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=_as_at_a_terminal)
         time.sleep(delay)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=120)
