@@ -315,10 +315,12 @@ def run_eval(loaded: LoadedModel, config: QuantConfig, data: DataSpec | str | No
              batch_size: int = 64, progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
              qmodel: QuantizedModel | None = None, ctx: Context | None = None,
              calib_progress: Progress | None = None,
-             recon_progress: Progress | None = None) -> tuple[EvalResult, QuantizedModel]:
+             recon_progress: Progress | None = None, site_sqnr: bool = True) -> tuple[EvalResult, QuantizedModel]:
     """Calibrate (unless ``qmodel`` is given, e.g. reloaded from an export) and evaluate;
     under torchrun (``ctx``) calibration is shared from rank 0 and evaluation is sharded.
-    ``calib_progress`` and ``progress`` report the two phases separately (sites, then images)."""
+    ``calib_progress`` and ``progress`` report the two phases separately (sites, then images).
+    ``site_sqnr=False`` skips the per-site SQNR (a float64 pass over every site's tensor in
+    both models): for sweeps that only need the end metrics."""
     ctx = ctx or Context(device=str(device))
     n_cal, t_cal, skipped = 0, 0.0, []
     if qmodel is None:
@@ -327,7 +329,7 @@ def run_eval(loaded: LoadedModel, config: QuantConfig, data: DataSpec | str | No
         qmodel, n_cal, t_cal, skipped = cal.qmodel, len(cal.image_ids), cal.seconds, cal.skipped
     images, idx = eval_split(loaded, config, data, n_eval)
     fn = evaluate_embeddings if loaded.info.modality == "text" else evaluate
-    res = fn(loaded, qmodel, images, idx, batch_size, device, progress=progress, cancel=cancel,
+    res = fn(loaded, qmodel, images, idx, batch_size, device, site_sqnr=site_sqnr, progress=progress, cancel=cancel,
              calib_images=n_cal, seconds_calibrate=t_cal, ctx=ctx)
     res.skipped_files = skipped + res.skipped_files
     res.skipped_images = len(res.skipped_files)
