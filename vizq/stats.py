@@ -10,6 +10,11 @@ import torch
 Tensor = torch.Tensor
 
 
+def _floating(x: Tensor) -> Tensor:
+    """float32 or float64 as given; half precision (and integers) widened to float32."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 class Moments:
     """Count, min, max, mean and std, per channel (last dim) or overall; float64, mergeable."""
 
@@ -23,14 +28,26 @@ class Moments:
         self.per_channel = channels is not None
 
     def update(self, x: Tensor) -> None:
-        x = x.detach().double()
-        x = x.reshape(-1, x.shape[-1]) if self.per_channel else x.reshape(-1, 1)
-        self.n += x.shape[0]
-        red = (lambda t: t) if self.per_channel else (lambda t: t.reshape(()))
-        self.min = torch.minimum(self.min, red(x.min(0).values))
-        self.max = torch.maximum(self.max, red(x.max(0).values))
-        self.sum += red(x.sum(0))
-        self.sumsq += red((x * x).sum(0))
+        """Why not simply ``x.double()``: a float64 copy of every captured tensor was most of a
+        capture's time. Min and max are exact in the tensor's own precision; the sums are
+        accumulated in float64 without a copy, and the squares are taken about the batch mean
+        (``Σx² = Σ(x−a)² + 2aΣx − n·a²``), so that squaring in float32 loses nothing that
+        matters even for a channel whose mean is far larger than its spread."""
+        x = _floating(x.detach())
+        x = x.reshape(-1, x.shape[-1]) if self.per_channel else x.reshape(-1)
+        n = x.shape[0]
+        if n == 0:
+            return
+        lo, hi = torch.aminmax(x, dim=0)
+        s = x.sum(0, dtype=torch.float64)
+        a = (s / n).to(x.dtype)
+        c = x - a
+        a = a.double()
+        self.n += n
+        self.min = torch.minimum(self.min, lo.double())
+        self.max = torch.maximum(self.max, hi.double())
+        self.sum += s
+        self.sumsq += (c * c).sum(0, dtype=torch.float64) + 2 * a * s - n * a * a
 
     @property
     def mean(self) -> Tensor:
@@ -70,18 +87,22 @@ class LinearHistogram:
         return (self.k0 + torch.arange(self.bins + 1, dtype=torch.float64)) * self.width
 
     def update(self, x: Tensor) -> None:
-        x = x.detach().double().flatten()
+        x = _floating(x.detach()).flatten()
         if x.numel() == 0:
             return
-        lo, hi = float(x.min()), float(x.max())
+        lo, hi = (float(v) for v in torch.aminmax(x))
         if self.width == 0.0:
             span = max(hi - lo, abs(hi), abs(lo), 1e-12)
             self.width = 2.0 ** math.ceil(math.log2(span / (self.bins - 2)))
             self.k0 = math.floor(lo / self.width)
         while not (self.k0 * self.width <= lo and hi < (self.k0 + self.bins) * self.width):
             self._double()
-        idx = torch.floor(x / self.width).long() - self.k0
-        self.counts += torch.bincount(idx.clamp(0, self.bins - 1), minlength=self.bins).double()
+        # the width is a power of two, so x · (1/width) is exact in the tensor's own precision;
+        # only a negative value so small that the product underflows to -0 needs its bin (-1) back
+        k = torch.floor(x * (1.0 / self.width))
+        k = torch.where((k == 0) & (x < 0), -1.0, k)
+        idx = k.long() - self.k0
+        self.counts += torch.bincount(idx.clamp_(0, self.bins - 1), minlength=self.bins).double()
 
     def _double(self) -> None:
         """Merge bin pairs (2K, 2K+1) -> K and re-centre; counts stay exact."""
@@ -118,9 +139,13 @@ def log2_bin_edges() -> Tensor:
 
 
 def log2_bin_index(p: Tensor) -> Tensor:
-    """Bin index per value: 0 for p <= 0 (and below 2^-32), then one bin per octave."""
-    e = torch.floor(torch.log2(p.double().clamp_min(2.0**-60)))  # p in [2^e, 2^(e+1))
-    idx = (e + LOG_BINS + 1).clamp(0, LOG_BINS).long()
+    """Bin index per value: 0 for p <= 0 (and below 2^-32), then one bin per octave.
+
+    The octave is the binary exponent itself (``frexp``: p = m·2^E, m in [0.5, 1), so
+    p in [2^(E-1), 2^E)): exact, where a rounded log2 could put a value just under a power
+    of two one octave up."""
+    _, exp = torch.frexp(_floating(p))
+    idx = (exp + LOG_BINS).clamp_(0, LOG_BINS).long()
     return torch.where(p > 0, idx, torch.zeros_like(idx))
 
 
