@@ -26,8 +26,8 @@ def vizq(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             rc = main(list(args))
-        except SystemExit as e:  # argparse's --help and its own usage errors
-            rc = e.code if isinstance(e.code, int) else 2
+        except SystemExit as e:  # as the interpreter maps it: None is 0, a message is 1
+            rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     p = subprocess.CompletedProcess(["vizq", *args], rc, out.getvalue(), err.getvalue())
     if check:
         assert p.returncode == 0, p.stderr
