@@ -114,7 +114,12 @@ def test_exact_quantiles_and_seedless_searches_on_a_real_tensor(vit, photos):
     assert torch.equal(search_sample(x)[0], sample)  # no seed: the same tensor, the same sample
 
 
-def test_faithful_repq_calibration_does_not_depend_on_any_seed(vit, photos):
+@pytest.mark.parametrize("preset", ["repq", "ptq4vit-mse"])
+def test_calibration_does_not_depend_on_any_seed_or_on_the_allocator(vit, photos, preset):
+    """Two calibrations in one process, under different torch seeds, give the same state.
+    ``ptq4vit-mse`` searches on tail-exact samples of 4-image tensors; before the sample cache
+    checked the storage, its second calibration here differed in about half the runs (a freed
+    site tensor's address reused by the next one of the same shape)."""
     from vizq.ptq.config import QuantConfig
     from vizq.ptq.engine import QuantizedModel
 
@@ -122,11 +127,11 @@ def test_faithful_repq_calibration_does_not_depend_on_any_seed(vit, photos):
     states = []
     for seed in (0, 1234):
         torch.manual_seed(seed)
-        qm = QuantizedModel(vit, QuantConfig(preset="repq", wbits=4, abits=4)).calibrate(calib)
-        states.append({k: aq.q.state["scale"].clone() for k, aq in qm.acts.items()})
+        qm = QuantizedModel(vit, QuantConfig(preset=preset, wbits=4, abits=4)).calibrate(calib)
+        states.append({f"{k}/{p}": v.clone() for k, aq in qm.acts.items() for p, v in aq.q.state.items()})
         qm.remove_hooks()
     assert states[0].keys() == states[1].keys()
-    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    assert [k for k in states[0] if not torch.equal(states[0][k], states[1][k])] == []
 
 
 def test_the_range_choice_at_the_massive_site_depends_on_the_error_measured(vit, photos):
