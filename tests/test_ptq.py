@@ -151,6 +151,7 @@ def test_export_reload_is_bit_exact(tmp_path, small_model):
             e = enc["param_encodings"]["head.weight"] if "head.weight" in enc["param_encodings"] else next(iter(enc["param_encodings"].values()))
             assert {"bitwidth", "scale", "offset", "min", "max", "is_symmetric"} <= set(e[0])
             assert any(s.endswith("softmax (logsqrt2)") for s in man["aimet_skipped"])  # log√2 is not uniform
+        assert man["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
 
 
 def test_export_refuses_other_weights(tmp_path, bundled, small_model):
@@ -170,6 +171,9 @@ def test_bundled_repq_beats_minmax_at_w4a4_and_reload_reproduces(tmp_path, bundl
         assert key in d
     assert rq.eval_images == 300 and rq.calib_images == 32 and rq.fp_top1 >= 95
     assert rq.fake_quant_kernel in ("compiled", "torch")
+    # where it was computed: float rounding (and so low-bit top-1) moves with the CPU's kernels
+    assert rq.machine["device"] == "cpu" and rq.machine["threads"] == torch.get_num_threads()
+    assert rq.machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and rq.machine["cpu"]
     assert rq.kl < rm.kl / 3 and rq.agreement > rm.agreement
     assert rq.site_sqnr_db["blocks.0.attn.softmax"] > 0
     export(qm, tmp_path / "x")

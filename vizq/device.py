@@ -24,3 +24,32 @@ def resolve_device(name: str) -> torch.device:
     if dev.type not in ("cpu", "cuda") and str(dev) not in have:
         raise InputError(f"--device {name} is not available here; {hint}")
     return dev
+
+
+def describe(device: str | torch.device = "cpu") -> dict[str, object]:
+    """The hardware a number was computed on, recorded next to it (eval results, exports).
+
+    Why: the same code, model, images and seed give slightly different float rounding on
+    another CPU (its vector width picks other matmul kernels), and at 4–6 bits a few rounding
+    flips move top-1 by one or two points (README: reproducibility across machines). A figure
+    without its machine cannot be checked.
+    """
+    dev = torch.device(device)
+    out: dict[str, object] = {"device": str(dev), "threads": torch.get_num_threads(),
+                              "cpu": _cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    if dev.type == "cuda" and torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(dev)
+    return out
+
+
+def _cpu_name() -> str:
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

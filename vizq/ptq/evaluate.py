@@ -16,6 +16,7 @@ import torch
 from ..capture import site_hooks
 from ..data import DataError, ImageSet, none_readable, pick, split_indices
 from ..dataspec import DataSpec
+from ..device import describe
 from ..dist import Context, broadcast_object, gather_objects, shard, sum_tensor
 from ..family import LoadedModel
 from ..errors import Cancelled, InputError
@@ -49,6 +50,7 @@ class EvalResult:
     metrics: dict[str, float] = field(default_factory=dict)  # family-specific (text: cosine, recall@10)
     fake_quant_kernel: str = ""  # "compiled" (vizq's CPU kernel) or "torch": explains seconds_eval
     data: dict[str, Any] = field(default_factory=dict)  # DataSpec.record(): which samples were used
+    machine: dict[str, Any] = field(default_factory=dict)  # device.describe(): where it was computed
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -151,7 +153,7 @@ def evaluate(loaded: LoadedModel, qmodel: QuantizedModel, images: ImageSet, indi
         agreement=100.0 * acc.agree / acc.n, kl=acc.kl / acc.n,
         seconds_calibrate=seconds_calibrate, seconds_eval=time.time() - t0,
         site_sqnr_db=sqnr, skipped_images=len(skipped), skipped_files=skipped, config=cfg.to_dict(),
-        fake_quant_kernel=native.kernel_for(device),
+        fake_quant_kernel=native.kernel_for(device), machine=describe(device),
     )
 
 
@@ -191,6 +193,7 @@ def evaluate_embeddings(loaded: LoadedModel, qmodel: QuantizedModel, texts: Imag
         calib_images=calib_images, eval_images=len(fp), fp_top1=None, q_top1=None, fp_top5=None, q_top5=None,
         agreement=m["nn_top1_agreement"], kl=None, seconds_calibrate=seconds_calibrate, seconds_eval=time.time() - t0,
         skipped_images=0, config=cfg.to_dict(), metrics=m, fake_quant_kernel=native.kernel_for(device),
+        machine=describe(device),
     )
 
 

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save
 from torch import nn
 
 from .. import __version__, atomic
+from ..device import describe
 from ..quant import get_quantizer
 from .config import ConfigError, QuantConfig
 from .engine import QuantizedModel
@@ -123,7 +124,8 @@ def snapshot(qm: QuantizedModel, calib_ids: list[str] | None = None,
         "format": FORMAT, "version": FORMAT_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "model_id": qm.info.model_id, "weights_sha256": qm.info.weights_sha256,
         "calibration_image_ids": list(calib_ids or getattr(qm, "calib_ids", [])),
-        "seed": qm.config.calibration.seed, "versions": _versions(), "aimet_skipped": aimet_skipped,
+        "seed": qm.config.calibration.seed, "versions": _versions(), "machine": describe(next(qm.model.parameters()).device),
+        "aimet_skipped": aimet_skipped,
         "folded_sites": list(qm.folds),
         "recon_modules": list(qm.recon_modules),
         "skipped_files": list(skipped or []),
