@@ -31,7 +31,7 @@ def describe(device: str | torch.device = "cpu") -> dict[str, object]:
 
     Why: the same code, model, images and seed give slightly different float rounding on
     another CPU (its vector width picks other matmul kernels), and at 4–6 bits a few rounding
-    flips move top-1 by one or two points (README: reproducibility across machines). A figure
+    flips move top-1 by one or two points (README: "Which CPU these figures come from"). A figure
     without its machine cannot be checked.
     """
     dev = torch.device(device)
