@@ -7,7 +7,7 @@ range (max - min), and the full-precision top-1 range over the same evaluation s
 Run (the README's spread tables):
   .venv/bin/python bench/seed_spread.py --model vit_tiny_patch16_224.augreg_in21k_ft_in1k \
       --data ../shared/data/imagenet-sample-500 --presets repq,adalog --bits 6,8 --seeds 0,1,2,3,4 \
-      --calib 32 --images 468 [--json spread.json]
+      --calib 32 --images 468 [--gptq] [--json spread.json]
 """
 from __future__ import annotations
 
@@ -35,29 +35,31 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2,3,4")
     ap.add_argument("--calib", type=int, default=32)
     ap.add_argument("--images", type=int, default=468)
+    ap.add_argument("--gptq", action="store_true", help="GPTQ weight rounding (QuantConfig.gptq) for every job")
     ap.add_argument("--json")
     a = ap.parse_args()
     lm = load_model(a.model)
     data = DataSpec.of(a.data)
     seeds = [int(s) for s in a.seeds.split(",")]
     rows = []
+    label = " + gptq" if a.gptq else ""
     print("| preset | W/A | top-1 (%), seeds " + ", ".join(map(str, seeds)) + " | mean | range | FP top-1 range | calib s (median) |")
     print("|---|---|---|---|---|---|---|")
     for preset in a.presets.split(","):
         for b in (int(x) for x in a.bits.split(",")):
             top1, fp, secs = [], [], []
             for seed in seeds:
-                cfg = QuantConfig.from_dict({"preset": preset, "wbits": b, "abits": b,
+                cfg = QuantConfig.from_dict({"preset": preset, "wbits": b, "abits": b, "gptq": a.gptq,
                                              "calibration": {"images": a.calib, "seed": seed}})
                 res, qm = run_eval(lm, cfg, data, n_eval=a.images, site_sqnr=False)  # top-1 is all it reports
                 qm.remove_hooks()
                 top1.append(res.q_top1 if res.q_top1 is not None else res.agreement)
                 fp.append(res.fp_top1 if res.fp_top1 is not None else 100.0)
                 secs.append(res.seconds_calibrate)
-            row = {"preset": preset, "bits": b, "seeds": seeds, "top1": top1, "fp_top1": fp, "seconds": secs,
+            row = {"preset": preset, "gptq": a.gptq, "bits": b, "seeds": seeds, "top1": top1, "fp_top1": fp, "seconds": secs,
                    "mean": statistics.mean(top1), "range": max(top1) - min(top1)}
             rows.append(row)
-            print(f"| `{preset}` | {b}/{b} | {', '.join(f'{t:.2f}' for t in top1)} | {row['mean']:.2f} | "
+            print(f"| `{preset}`{label} | {b}/{b} | {', '.join(f'{t:.2f}' for t in top1)} | {row['mean']:.2f} | "
                   f"{row['range']:.2f} | {min(fp):.2f}–{max(fp):.2f} | {statistics.median(secs):.0f} |", flush=True)
     if a.json:
         from vizq import atomic

@@ -4,7 +4,7 @@ import streamlit as st
 
 from vizq import plots
 from vizq.ptq import service
-from vizq.ptq.config import recon_label
+from vizq.ptq.config import options_label
 from vizq.runs import append_run, clear_history, load_history
 from vizq.ui import jobs
 from vizq.ui.presets import config_form
@@ -62,7 +62,7 @@ def summary(rec):
 
 def on_done(out):
     rec, res = out
-    recon = recon_label(rec.get("config"))
+    recon = options_label(rec.get("config"))
     s.eval_message = f"{rec['preset']} W{rec['wbits']}A{rec['abits']}{' ' + recon if recon else ''}: " + summary(rec)
     s.last_sqnr = res.site_sqnr_db
 
@@ -92,8 +92,8 @@ if hist:
     cols = ["time", "preset", "wbits", "abits", "calib_images", "eval_images", "fp_top1", "q_top1", "agreement", "kl",
             "seconds_calibrate", "seconds_eval"]
     table = pd.DataFrame(hist)
-    table.insert(2, "reconstruction", [recon_label(r.get("config")) or "—" for r in hist])
-    cols.insert(2, "reconstruction")
+    table.insert(2, "options", [options_label(r.get("config")) or "—" for r in hist])
+    cols.insert(2, "options")
     extra = pd.json_normalize(table.pop("metrics")) if "metrics" in table else pd.DataFrame()
     chart_table(pd.concat([table[[c for c in cols if c in table]], extra], axis=1), "history")
     if c2.button("Clear history"):

@@ -83,3 +83,5 @@ def test_bad_input_gives_one_clear_line():
     assert p.returncode == 2 and "no site named" in p.stderr
     p = vizq("eval", "--override", "post_ln=warp:bits=4", check=False)
     assert p.returncode == 2 and "warp" in p.stderr and "Traceback" not in p.stderr
+    p = vizq("eval", "--preset", "fp8", "--gptq", check=False)
+    assert p.returncode == 2 and "gptq" in p.stderr and len(p.stderr.strip().splitlines()) == 1

@@ -13,7 +13,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from .ptq.config import recon_label
+from .ptq.config import options_label
 from .stats import log2_bin_edges
 
 Figure = go.Figure
@@ -227,7 +227,7 @@ def accuracy_vs_bits(history: list[dict[str, Any]], metric: str = "q_top1") -> t
     df["data_key"] = [d.get("key", "not recorded") if isinstance(d, dict) else "not recorded" for d in df.get("data", [None] * len(df))]
     several = df.data_key.nunique() > 1
     # a reconstructed run is another method: never on the same line as the plain preset
-    df["variant"] = [f"{p} {recon_label(c if isinstance(c, dict) else None)}".strip()
+    df["variant"] = [f"{p} {options_label(c if isinstance(c, dict) else None)}".strip()
                      for p, c in zip(df.preset, df.get("config", [None] * len(df)))]
     fig = go.Figure()
     for i, ((method, w, key), g) in enumerate(df.groupby(["variant", "wbits", "data_key"])):

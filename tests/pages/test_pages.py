@@ -140,8 +140,8 @@ def test_reconstruction_is_a_choice_on_evaluate_and_history_says_it_was_used(app
 
     cfg = load_history()[-1]["config"]
     assert cfg["recon_iters"] == 20 and cfg["recon_scales"] is True and cfg["recon_batch"] == 0
-    table = next(df.value for df in at.dataframe if "reconstruction" in df.value.columns)
-    assert list(table["reconstruction"]) == ["+recon 20 · LSQ"]
+    table = next(df.value for df in at.dataframe if "options" in df.value.columns)
+    assert list(table["options"]) == ["+recon 20 · LSQ"]
 
 
 def _wait(at: AppTest, done, timeout: float = 120) -> AppTest:

@@ -100,6 +100,7 @@ class QuantConfig:
     recon_iters: int = 0
     recon_scales: bool = False  # reconstruction also learns uniform activation scales (LSQ)
     recon_batch: int = 0  # samples per reconstruction step, drawn at random; 0: every calibration sample
+    gptq: bool = False  # weights rounded with GPTQ's error compensation on the float calibration inputs (ptq/gptq.py)
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -111,7 +112,7 @@ class QuantConfig:
         self.validate()
 
     def validate(self) -> None:
-        from .catalog import PRESETS
+        from .catalog import PRESETS, Procedure
 
         if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 1:
             raise ConfigError(f"version must be a positive integer, got {self.version!r}")
@@ -133,6 +134,14 @@ class QuantConfig:
             raise ConfigError(f"recon_scales must be true or false, got {self.recon_scales!r}")
         if self.recon_scales and not self.recon_iters:
             raise ConfigError("recon_scales learns activation scales during reconstruction; set recon_iters > 0 too")
+        if not isinstance(self.gptq, bool):
+            raise ConfigError(f"gptq must be true or false, got {self.gptq!r}")
+        if self.gptq and PRESETS[self.preset].procedure is not Procedure.SEQUENTIAL:
+            raise ConfigError(f"gptq rounds weights within the sequential calibration; preset {self.preset!r} runs "
+                              "its own procedure (use another preset, or drop gptq)")
+        if self.gptq and PRESETS[self.preset].fixed_format:
+            raise ConfigError(f"gptq compensates rounding on a uniform integer grid; preset {self.preset!r} "
+                              "quantizes weights in a float or block format (use an integer preset, or drop gptq)")
         if not isinstance(self.overrides, dict):
             raise ConfigError("overrides must be a mapping of site glob or kind to settings")
         self.rules()  # every override parses into a typed Rule, or the error names it
@@ -206,17 +215,19 @@ class QuantConfig:
         atomic.write_text(path, text)
 
 
-def recon_label(config: dict[str, Any] | None) -> str:
-    """How a recorded run was reconstructed, for tables and legends: '' (not), or e.g.
-    '+recon 200 · LSQ · batch 8'. Works on the stored dict, so old history rows read too."""
-    iters = (config or {}).get("recon_iters") or 0
-    if not iters:
-        return ""
-    parts = [f"+recon {iters}"]
-    if config.get("recon_scales"):
-        parts.append("LSQ")
-    if config.get("recon_batch"):
-        parts.append(f"batch {config['recon_batch']}")
+def options_label(config: dict[str, Any] | None) -> str:
+    """The weight-rounding and reconstruction options of a recorded run, for tables and legends:
+    '' (none), or e.g. '+gptq · +recon 200 · LSQ · batch 8'. Works on the stored dict, so old
+    history rows (which lack the newer keys) read too."""
+    config = config or {}
+    parts = ["+gptq"] if config.get("gptq") else []
+    iters = config.get("recon_iters") or 0
+    if iters:
+        parts.append(f"+recon {iters}")
+        if config.get("recon_scales"):
+            parts.append("LSQ")
+        if config.get("recon_batch"):
+            parts.append(f"batch {config['recon_batch']}")
     return " · ".join(parts)
 
 

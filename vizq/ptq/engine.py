@@ -23,9 +23,11 @@ from ..metrics import token_relative_output_error
 from ..quant import Quantizer, QuantizerError, get_quantizer
 from ..quant.step import STEP_FAMILIES, StepFunction
 from ..sites import Site
+from . import gptq
 from .config import QuantConfig
 from .catalog import Procedure
 from .presets import OUTPUT_SCORED, PRESETS, Spec, check_modality, plan, reparam_mode
+from .gptq import GRIDS as GPTQ_GRIDS, RANGE_METHOD as GPTQ_RANGE_METHOD
 from .reparam import Fold, apply_fold, fold_factors
 
 Progress = Callable[[int, int, str], None]
@@ -100,7 +102,9 @@ class QuantizedModel(nn.Module):
         # while reconstructing: site -> differentiable fake-quant of the folded input (learned scales)
         self.trainable: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         self.recon_modules: list[str] = []
+        self.compensated: list[str] = []  # Linears whose stored float weight GPTQ changed (exports keep it)
         self.passthrough = False  # hooks change nothing (a procedure reading the float network)
+        self._float_folded = False  # hooks only apply consumer-side folds (the GPTQ Gram pass)
         self.info = loaded.info
         self.config = config
         self.sites: list[Site] = list(loaded.sites)
@@ -117,7 +121,10 @@ class QuantizedModel(nn.Module):
             if spec is None:
                 continue
             if s.kind == "weight":
-                self.weights[s.module] = get_quantizer(spec.quantizer, spec.bits, **spec.options)
+                opts = dict(spec.options)
+                if config.gptq and spec.quantizer in GPTQ_GRIDS:  # GPTQ searches the row ranges (ptq/gptq.py)
+                    opts["method"] = GPTQ_RANGE_METHOD
+                self.weights[s.module] = get_quantizer(spec.quantizer, spec.bits, **opts)
                 self.fp_weights[s.module] = self.model.get_submodule(s.module).weight.detach().clone()
             else:
                 self.acts[s.name] = ActQuant(spec)
@@ -161,6 +168,8 @@ class QuantizedModel(nn.Module):
         if self.passthrough:
             return None
         aq = self.acts.get(site.name)
+        if self._float_folded:  # the float network in the folded domain: folds apply, rounding does not
+            return aq.folded(x) if aq is not None and aq.ratio is not None else None
         if aq is None:
             if site.kind == "v":
                 self._stash[site.name] = x
@@ -306,8 +315,8 @@ class QuantizedModel(nn.Module):
         mode = reparam_mode(self.config)
         if mode != "none":
             self._reparameterize(mode)
-        self._quantize_weights()
-        self._tick(f"post-LN fold ({mode}) and weights recalibrated")
+        self._quantize_weights(self._float_input_grams(batches) if self.config.gptq else None)
+        self._tick(f"post-LN fold ({mode}) and weights recalibrated" + (" with GPTQ" if self.config.gptq else ""))
 
     def _tick(self, what: str) -> None:
         """One more quantizer calibrated; also where a cancel takes effect (between sites)."""
@@ -350,12 +359,37 @@ class QuantizedModel(nn.Module):
                 self._tick(n)
             self._buffers = {}
 
-    def _quantize_weights(self) -> None:
+    def _quantize_weights(self, grams: dict[str, torch.Tensor] | None = None) -> None:
+        """Calibrate every weight quantizer on its float weight and round; with ``grams`` (the
+        ``gptq`` option) a Linear's rounding compensates its errors on those inputs instead, and
+        the compensated float weight replaces the stored one (its nearest rounding is the result)."""
+
         for path, q in self.weights.items():
             mod = self.model.get_submodule(path)
             w = self.fp_weights[path]
-            q.calibrate(w)
+            if grams is not None and path in grams and gptq.supports(q):
+                q.calibrate(w, score=gptq.output_score(grams[path]))
+                w = self.fp_weights[path] = gptq.compensate(w, grams[path], q)
+                self.compensated.append(path)
+            else:
+                q.calibrate(w)
             mod.weight.data.copy_(q.fake_quant(w))
+
+    def _float_input_grams(self, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """XᵀX of every quantized Linear's input in the float network (after the post-LN fold,
+        so in the domain the folded weights see): activations are not rounded and each quantized
+        weight is its float original for this one forward."""
+
+        rounded = {p: self.model.get_submodule(p).weight.detach().clone() for p in self.weights}
+        for p in self.weights:
+            self.model.get_submodule(p).weight.data.copy_(self.fp_weights[p])
+        self._float_folded = True
+        try:
+            return gptq.input_grams(self.model, self.weights, lambda: [self.model(b) for b in batches])
+        finally:
+            self._float_folded = False
+            for p, w in rounded.items():
+                self.model.get_submodule(p).weight.data.copy_(w)
 
     def _reparameterize(self, mode: str) -> None:
         for s in self.sites:

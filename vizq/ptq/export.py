@@ -59,7 +59,7 @@ def _changed_params(qm: QuantizedModel) -> dict[str, torch.Tensor]:
             w = qm.fp_weights.get(c)  # unquantized consumers hold their folded weight in the model
             out[f"{c}.weight"] = (w if w is not None else qm.model.get_submodule(c).weight.detach()).clone()
             out[f"{c}.bias"] = qm.model.get_submodule(c).bias.detach().clone()
-    for path in qm.recon_modules:  # weights trained by block reconstruction
+    for path in dict.fromkeys(qm.compensated + qm.recon_modules):  # weights GPTQ or reconstruction changed
         out[f"{path}.weight"] = qm.fp_weights[path].clone()
     return out
 
@@ -128,6 +128,7 @@ def snapshot(qm: QuantizedModel, calib_ids: list[str] | None = None,
         "aimet_skipped": aimet_skipped,
         "folded_sites": list(qm.folds),
         "recon_modules": list(qm.recon_modules),
+        "gptq_modules": list(qm.compensated),
         "skipped_files": list(skipped or []),
     }
     return tensors, sites_json, manifest
@@ -296,4 +297,5 @@ def restore(loaded: Any, config: QuantConfig, tensors: dict[str, torch.Tensor], 
     qm.calibrated = True
     qm.calib_ids = man["calibration_image_ids"]
     qm.recon_modules = list(man.get("recon_modules", []))
+    qm.compensated = list(man.get("gptq_modules", []))
     return qm

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from ..ptq.catalog import Procedure
 from ..ptq.config import QuantConfig
 from ..ptq.presets import PRESETS, QUANTIZED_ACT_KINDS, presets_for
 from ..quant import list_quantizers
@@ -52,6 +53,11 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
                 rule["bits"] = int(r["bits"])
             if rule:
                 overrides[r["kind"]] = rule
+    gptq_ok = PRESETS[method].procedure is Procedure.SEQUENTIAL and not PRESETS[method].fixed_format
+    gptq = kept(st.checkbox, "GPTQ weight rounding", f"{prefix}-gptq", False, disabled=not gptq_ok,
+                help="round each Linear's integer weights one input column at a time, compensating the error on "
+                     "the calibration inputs (closed form, seconds; no training). Integer presets with the "
+                     "sequential calibration only.")
     with st.expander("Block reconstruction (optional; slow: ~10 min for ViT-Ti at 200 steps on 2 CPU cores)"):
         st.caption("After calibration, re-round each block's integer weights (AdaRound with QDrop) so the block "
                    "reproduces the float block's output on the calibration images. On ViT-Ti with 32 images, "
@@ -67,4 +73,4 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
                            "QDrop do")
     return QuantConfig(preset=method, wbits=int(wbits), abits=int(abits), overrides=overrides,
                        recon_iters=int(iters), recon_scales=bool(scales and iters), recon_batch=int(rbatch),
-                       calibration={"images": int(calib), "seed": int(seed), "batch_size": 32})
+                       gptq=bool(gptq and gptq_ok), calibration={"images": int(calib), "seed": int(seed), "batch_size": 32})

@@ -1,0 +1,92 @@
+"""GPTQ weight rounding (``QuantConfig.gptq``): on the grid the preset calibrated, lower layer
+output error than nearest rounding, reloads bit for bit, refused where it cannot apply."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vizq.data import resolve_images
+from vizq.ptq import gptq
+from vizq.ptq.config import ConfigError, QuantConfig, options_label
+from vizq.ptq.engine import QuantizedModel
+from vizq.ptq.export import export, load_export
+from vizq.quant import get_quantizer
+
+
+def _inputs(bundled, module: str, n: int = 16) -> torch.Tensor:
+    """The float inputs of ``module`` on n of the bundled digits."""
+    images = resolve_images(bundled, None, "calib")
+    kept = []
+    hook = bundled.model.get_submodule(module).register_forward_pre_hook(lambda m, a: kept.append(a[0].detach()))
+    try:
+        with torch.no_grad():
+            for xb, _, _ in bundled.iterate(images, list(range(n)), n):
+                bundled.model(xb)
+    finally:
+        hook.remove()
+    x = torch.cat(kept)
+    return x.reshape(-1, x.shape[-1])
+
+
+@pytest.mark.parametrize("module", ["blocks.0.mlp.fc1", "blocks.1.mlp.fc2"])
+def test_compensation_keeps_the_grid_and_lowers_the_layer_output_error(bundled, module):
+    w = bundled.model.get_submodule(module).weight.detach()
+    x = _inputs(bundled, module)
+    q = get_quantizer("uniform", 4, granularity="out_channel", method="percentile").calibrate(w)
+    nearest = q.fake_quant(w)
+    compensated = gptq.compensate(w, x.double().T @ x.double(), q)
+    rounded = q.fake_quant(compensated)
+    assert torch.equal(q.fake_quant(rounded), rounded)  # every weight on the calibrated grid
+    assert not torch.equal(rounded, nearest)
+    err_nearest = float((x @ (w - nearest).T).pow(2).mean())
+    err_gptq = float((x @ (w - rounded).T).pow(2).mean())
+    assert err_gptq < 0.7 * err_nearest, (err_gptq, err_nearest)
+
+
+def test_a_constant_input_column_just_rounds_to_nearest(bundled):
+    """A zero diagonal of XᵀX (an input that is always 0) must not make the inverse blow up."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 64, generator=g)
+    x = torch.randn(500, 64, generator=g) @ torch.randn(64, 64, generator=g)  # correlated inputs
+    x[:, 5] = 0
+    q = get_quantizer("uniform", 3, granularity="out_channel", method="minmax").calibrate(w)
+    out = gptq.compensate(w, x.double().T @ x.double(), q)
+    assert torch.isfinite(out).all()
+    assert torch.equal(q.fake_quant(out)[:, 5], q.fake_quant(w)[:, 5])  # nothing flows into or out of it
+    err = {k: float((x @ (w - q.fake_quant(v)).T).pow(2).mean()) for k, v in (("gptq", out), ("nearest", w))}
+    assert err["gptq"] < 0.7 * err["nearest"], err  # about 0.5 on such inputs
+
+
+def test_gptq_model_is_closer_to_float_and_reloads_bit_exactly(tmp_path, bundled):
+    images = resolve_images(bundled, None, "calib")
+    calib = torch.cat([xb for xb, _, _ in bundled.iterate(images, list(range(32)), 32)])
+    with torch.no_grad():
+        ref = bundled.model(calib)
+    errs = {}
+    for on in (False, True):
+        cfg = QuantConfig(preset="adalog", wbits=4, abits=4, gptq=on)
+        with QuantizedModel(bundled, cfg) as qm:
+            qm.calibrate(calib)
+            with torch.no_grad():
+                out = qm(calib)
+            errs[on] = float((out - ref).pow(2).mean())
+            if on:
+                export(qm, tmp_path / "e")
+                with load_export(tmp_path / "e", bundled) as back, torch.no_grad():
+                    assert torch.equal(back(calib), out)
+                assert QuantConfig.load(tmp_path / "e").gptq is True
+    assert errs[True] < 0.8 * errs[False], errs
+
+
+def test_the_option_is_typed_labelled_and_refused_where_it_cannot_apply():
+    cfg = QuantConfig(preset="repq", gptq=True)
+    assert QuantConfig.from_dict(cfg.to_dict()).gptq is True
+    assert QuantConfig.from_dict({"preset": "repq"}).gptq is False  # configs written before the option
+    assert options_label(cfg.to_dict()) == "+gptq"
+    assert options_label({**cfg.to_dict(), "recon_iters": 20}) == "+gptq · +recon 20"
+    with pytest.raises(ConfigError, match="true or false"):
+        QuantConfig(preset="repq", gptq="yes")
+    with pytest.raises(ConfigError, match="own procedure"):
+        QuantConfig(preset="ptq4vit", gptq=True)
+    with pytest.raises(ConfigError, match="float or block format"):
+        QuantConfig(preset="fp8", gptq=True)
