@@ -57,25 +57,27 @@ def test_a_constant_input_column_just_rounds_to_nearest(bundled):
     assert err["gptq"] < 0.7 * err["nearest"], err  # about 0.5 on such inputs
 
 
-def test_gptq_model_is_closer_to_float_and_reloads_bit_exactly(tmp_path, bundled):
-    images = resolve_images(bundled, None, "calib")
-    calib = torch.cat([xb for xb, _, _ in bundled.iterate(images, list(range(32)), 32)])
+def test_gptq_model_is_closer_to_float_on_held_out_digits_and_reloads_bit_exactly(tmp_path, bundled):
+    def batch(part: str, n: int) -> torch.Tensor:
+        return torch.cat([xb for xb, _, _ in bundled.iterate(resolve_images(bundled, None, part), list(range(n)), n)])
+
+    calib, held_out = batch("calib", 16), batch("eval", 64)
     with torch.no_grad():
-        ref = bundled.model(calib)
+        ref = bundled.model(held_out)
     errs = {}
     for on in (False, True):
         cfg = QuantConfig(preset="adalog", wbits=4, abits=4, gptq=on)
         with QuantizedModel(bundled, cfg) as qm:
             qm.calibrate(calib)
             with torch.no_grad():
-                out = qm(calib)
+                out = qm(held_out)
             errs[on] = float((out - ref).pow(2).mean())
             if on:
                 export(qm, tmp_path / "e")
                 with load_export(tmp_path / "e", bundled) as back, torch.no_grad():
-                    assert torch.equal(back(calib), out)
+                    assert torch.equal(back(held_out), out)
                 assert QuantConfig.load(tmp_path / "e").gptq is True
-    assert errs[True] < 0.8 * errs[False], errs
+    assert errs[True] < 0.8 * errs[False], errs  # about 0.54 here: logit MSE 0.0295 -> 0.0160
 
 
 def test_the_option_is_typed_labelled_and_refused_where_it_cannot_apply():
