@@ -62,8 +62,8 @@ def summary(rec):
 
 def on_done(out):
     rec, res = out
-    recon = options_label(rec.get("config"))
-    s.eval_message = f"{rec['preset']} W{rec['wbits']}A{rec['abits']}{' ' + recon if recon else ''}: " + summary(rec)
+    opts = options_label(rec.get("config"))
+    s.eval_message = f"{rec['preset']} W{rec['wbits']}A{rec['abits']}{' ' + opts if opts else ''}: " + summary(rec)
     s.last_sqnr = res.site_sqnr_db
 
 

@@ -27,7 +27,6 @@ from . import gptq
 from .config import QuantConfig
 from .catalog import Procedure
 from .presets import OUTPUT_SCORED, PRESETS, Spec, check_modality, plan, reparam_mode
-from .gptq import GRIDS as GPTQ_GRIDS, RANGE_METHOD as GPTQ_RANGE_METHOD
 from .reparam import Fold, apply_fold, fold_factors
 
 Progress = Callable[[int, int, str], None]
@@ -122,8 +121,8 @@ class QuantizedModel(nn.Module):
                 continue
             if s.kind == "weight":
                 opts = dict(spec.options)
-                if config.gptq and spec.quantizer in GPTQ_GRIDS:  # GPTQ searches the row ranges (ptq/gptq.py)
-                    opts["method"] = GPTQ_RANGE_METHOD
+                if config.gptq and spec.quantizer in gptq.GRIDS:  # GPTQ searches the row ranges (ptq/gptq.py)
+                    opts["method"] = gptq.RANGE_METHOD
                 self.weights[s.module] = get_quantizer(spec.quantizer, spec.bits, **opts)
                 self.fp_weights[s.module] = self.model.get_submodule(s.module).weight.detach().clone()
             else:
@@ -363,7 +362,8 @@ class QuantizedModel(nn.Module):
         """Calibrate every weight quantizer on its float weight and round; with ``grams`` (the
         ``gptq`` option) a Linear's rounding compensates its errors on those inputs instead, and
         the compensated float weight replaces the stored one (its nearest rounding is the result)."""
-
+        if grams is not None:
+            self.compensated = []
         for path, q in self.weights.items():
             mod = self.model.get_submodule(path)
             w = self.fp_weights[path]
@@ -379,7 +379,6 @@ class QuantizedModel(nn.Module):
         """XᵀX of every quantized Linear's input in the float network (after the post-LN fold,
         so in the domain the folded weights see): activations are not rounded and each quantized
         weight is its float original for this one forward."""
-
         rounded = {p: self.model.get_submodule(p).weight.detach().clone() for p in self.weights}
         for p in self.weights:
             self.model.get_submodule(p).weight.data.copy_(self.fp_weights[p])

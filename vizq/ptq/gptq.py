@@ -16,7 +16,7 @@ result, so exports reload it bit for bit with the ordinary fake-quant.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ def supports(q: Quantizer) -> bool:
     return q.name in GRIDS and q.granularity.value in ("tensor", "out_channel")
 
 
-def output_score(gram: Tensor):  # noqa: ANN201 - a Score
+def output_score(gram: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
     """Range candidates scored by the output error they cause, ΔW·XᵀX·ΔWᵀ per row (the Gram
     normalised by its mean diagonal so the sums stay in float32's range)."""
     h = (gram / gram.diagonal().mean().clamp_min(1e-30)).float()
@@ -52,7 +52,7 @@ def output_score(gram: Tensor):  # noqa: ANN201 - a Score
 
 
 @torch.no_grad()
-def input_grams(model: nn.Module, paths: Iterable[str], run: callable) -> dict[str, Tensor]:
+def input_grams(model: nn.Module, paths: Iterable[str], run: Callable[[], object]) -> dict[str, Tensor]:
     """XᵀX (float64, [in, in]) of each Linear's input over whatever ``run()`` feeds the model.
 
     The hooks read the input each Linear actually receives, so quantization hooks registered
