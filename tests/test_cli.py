@@ -85,3 +85,5 @@ def test_bad_input_gives_one_clear_line():
     assert p.returncode == 2 and "warp" in p.stderr and "Traceback" not in p.stderr
     p = vizq("eval", "--preset", "fp8", "--gptq", check=False)
     assert p.returncode == 2 and "gptq" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    p = vizq("eval", "--gptq-act-order", check=False)
+    assert p.returncode == 2 and "set gptq too" in p.stderr and len(p.stderr.strip().splitlines()) == 1

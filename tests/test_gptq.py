@@ -57,6 +57,23 @@ def test_a_constant_input_column_just_rounds_to_nearest(bundled):
     assert err["gptq"] < 0.7 * err["nearest"], err  # about 0.5 on such inputs
 
 
+def test_act_order_rounds_columns_by_input_energy_not_by_position():
+    """Act order: the result depends on which inputs carry the energy, not on where they sit, so
+    permuting the inputs permutes the compensated weight and nothing else. Rounding in the
+    natural column order does not (the error flows into different columns)."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(24, 48, generator=g)
+    x = (torch.randn(400, 48, generator=g) @ torch.randn(48, 48, generator=g)) * torch.linspace(0.1, 3, 48)
+    h = x.double().T @ x.double()
+    q = get_quantizer("uniform", 4, granularity="out_channel", method="minmax").calibrate(w)
+    perm = torch.randperm(48, generator=g)
+    out = gptq.compensate(w, h, q, act_order=True)
+    permuted = gptq.compensate(w[:, perm], h[perm][:, perm], q, act_order=True)
+    assert torch.equal(q.fake_quant(permuted), q.fake_quant(out)[:, perm])
+    natural = gptq.compensate(w[:, perm], h[perm][:, perm], q)
+    assert not torch.equal(q.fake_quant(natural), q.fake_quant(out)[:, perm])  # the order is what changed
+
+
 def test_gptq_model_is_closer_to_float_on_held_out_digits_and_reloads_bit_exactly(tmp_path, bundled):
     def batch(part: str, n: int) -> torch.Tensor:
         return torch.cat([xb for xb, _, _ in bundled.iterate(resolve_images(bundled, None, part), list(range(n)), n)])
@@ -92,3 +109,6 @@ def test_the_option_is_typed_labelled_and_refused_where_it_cannot_apply():
         QuantConfig(preset="ptq4vit", gptq=True)
     with pytest.raises(ConfigError, match="float or block format"):
         QuantConfig(preset="fp8", gptq=True)
+    assert options_label({**cfg.to_dict(), "gptq_act_order": True}) == "+gptq act order"
+    with pytest.raises(ConfigError, match="set gptq too"):
+        QuantConfig(preset="repq", gptq_act_order=True)

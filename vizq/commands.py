@@ -172,6 +172,8 @@ def _ptq_args(p: argparse.ArgumentParser) -> None:
                    help="with --recon-iters: calibration samples per step, drawn at random (seeded); 0: all of them every step")
     p.add_argument("--gptq", action="store_true",
                    help="round integer weights with GPTQ's error compensation on the calibration inputs (closed form, seconds)")
+    p.add_argument("--gptq-act-order", action="store_true",
+                   help="with --gptq: round each layer's input columns by decreasing energy (GPTQ's act order)")
     p.add_argument("--override", action="append", default=[],
                    help="SITE_GLOB_OR_KIND=QUANTIZER[:bits=N][:key=value] (repeatable)")
 
@@ -186,6 +188,7 @@ def config_from_args(a: argparse.Namespace):  # noqa: ANN201
             return QuantConfig.load(path)
     return QuantConfig(preset=a.preset, wbits=a.wbits, abits=a.abits, overrides=overrides_from_rules(a.override),
                        recon_iters=a.recon_iters, recon_scales=a.recon_scales, recon_batch=a.recon_batch, gptq=a.gptq,
+                       gptq_act_order=a.gptq_act_order,
                        calibration={"images": a.calib, "seed": a.seed, "batch_size": a.batch_size})
 
 

@@ -101,6 +101,7 @@ class QuantConfig:
     recon_scales: bool = False  # reconstruction also learns uniform activation scales (LSQ)
     recon_batch: int = 0  # samples per reconstruction step, drawn at random; 0: every calibration sample
     gptq: bool = False  # weights rounded with GPTQ's error compensation on the float calibration inputs (ptq/gptq.py)
+    gptq_act_order: bool = False  # with gptq: columns rounded by decreasing input energy (GPTQ's act order)
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -139,6 +140,10 @@ class QuantConfig:
         if self.gptq and PRESETS[self.preset].procedure is not Procedure.SEQUENTIAL:
             raise ConfigError(f"gptq rounds weights within the sequential calibration; preset {self.preset!r} runs "
                               "its own procedure (use another preset, or drop gptq)")
+        if not isinstance(self.gptq_act_order, bool):
+            raise ConfigError(f"gptq_act_order must be true or false, got {self.gptq_act_order!r}")
+        if self.gptq_act_order and not self.gptq:
+            raise ConfigError("gptq_act_order orders GPTQ's column rounding; set gptq too")
         if self.gptq and PRESETS[self.preset].fixed_format:
             raise ConfigError(f"gptq compensates rounding on a uniform integer grid; preset {self.preset!r} "
                               "quantizes weights in a float or block format (use an integer preset, or drop gptq)")
@@ -217,10 +222,10 @@ class QuantConfig:
 
 def options_label(config: dict[str, Any] | None) -> str:
     """The weight-rounding and reconstruction options of a recorded run, for tables and legends:
-    '' (none), or e.g. '+gptq · +recon 200 · LSQ · batch 8'. Works on the stored dict, so old
+    '' (none), or e.g. '+gptq act order · +recon 200 · LSQ · batch 8'. Works on the stored dict, so old
     history rows (which lack the newer keys) read too."""
     config = config or {}
-    parts = ["+gptq"] if config.get("gptq") else []
+    parts = [("+gptq act order" if config.get("gptq_act_order") else "+gptq")] if config.get("gptq") else []
     iters = config.get("recon_iters") or 0
     if iters:
         parts.append(f"+recon {iters}")

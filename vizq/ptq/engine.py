@@ -369,7 +369,7 @@ class QuantizedModel(nn.Module):
             w = self.fp_weights[path]
             if grams is not None and path in grams and gptq.supports(q):
                 q.calibrate(w, score=gptq.output_score(grams[path]))
-                w = self.fp_weights[path] = gptq.compensate(w, grams[path], q)
+                w = self.fp_weights[path] = gptq.compensate(w, grams[path], q, act_order=self.config.gptq_act_order)
                 self.compensated.append(path)
             else:
                 q.calibrate(w)

@@ -80,15 +80,20 @@ def input_grams(model: nn.Module, paths: Iterable[str], run: Callable[[], object
 
 
 @torch.no_grad()
-def compensate(weight: Tensor, gram: Tensor, q: Quantizer, damp: float = DAMP) -> Tensor:
+def compensate(weight: Tensor, gram: Tensor, q: Quantizer, damp: float = DAMP, act_order: bool = False) -> Tensor:
     """The float weight whose nearest rounding by ``q`` (already calibrated) is GPTQ's choice.
 
-    Column i is rounded on q's grid; its error e_i, divided by U[i, i], is taken off the later
+    Columns are rounded in their natural order, or with ``act_order`` (GPTQ's option of that
+    name, ``QuantConfig.gptq_act_order``) in order of decreasing input energy, the diagonal of
+    XᵀX: the inputs that move the output most are rounded while every other column can still
+    absorb their error, and the least important ones, rounded last, absorb none (README: its
+    measured effect on the real ViT-Ti). Column i of that order is rounded on q's grid; its error e_i, divided by U[i, i], is taken off the later
     columns along row i of U, the upper Cholesky factor of (XᵀX + λI)⁻¹. Inputs that never
     vary (a zero diagonal) get a unit diagonal, so their columns just round to nearest."""
-    w = weight.detach().float().clone()
-    n = w.shape[1]
-    h = gram.double().clone()
+    n = weight.shape[1]
+    order = torch.argsort(gram.diagonal(), descending=True, stable=True) if act_order else torch.arange(n)
+    w = weight.detach().float()[:, order].clone()
+    h = gram.double()[order][:, order].clone()
     dead = h.diagonal() == 0
     h[dead, dead] = 1.0
     h.diagonal().add_(damp * float(h.diagonal().mean()))
@@ -98,4 +103,4 @@ def compensate(weight: Tensor, gram: Tensor, q: Quantizer, damp: float = DAMP) -
         err = (col - q.fake_quant(col)) / u[i, i]
         if i + 1 < n:
             w[:, i + 1 :].sub_(err @ u[i : i + 1, i + 1 :])
-    return w.to(weight.dtype)
+    return w[:, torch.argsort(order)].to(weight.dtype)

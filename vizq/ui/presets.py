@@ -58,6 +58,9 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
                 help="round each Linear's integer weights one input column at a time, compensating the error on "
                      "the calibration inputs (closed form, seconds; no training). Integer presets with the "
                      "sequential calibration only.")
+    act_order = kept(st.checkbox, "GPTQ act order", f"{prefix}-gptq-order", False, disabled=not (gptq and gptq_ok),
+                     help="round each layer's input columns by decreasing energy (largest calibration inputs "
+                          "first), as GPTQ's act-order option does")
     with st.expander("Block reconstruction (optional; slow: ~10 min for ViT-Ti at 200 steps on 2 CPU cores)"):
         st.caption("After calibration, re-round each block's integer weights (AdaRound with QDrop) so the block "
                    "reproduces the float block's output on the calibration images. On ViT-Ti with 32 images, "
@@ -73,4 +76,5 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
                            "QDrop do")
     return QuantConfig(preset=method, wbits=int(wbits), abits=int(abits), overrides=overrides,
                        recon_iters=int(iters), recon_scales=bool(scales and iters), recon_batch=int(rbatch),
-                       gptq=bool(gptq and gptq_ok), calibration={"images": int(calib), "seed": int(seed), "batch_size": 32})
+                       gptq=bool(gptq and gptq_ok),
+                       gptq_act_order=bool(act_order and gptq and gptq_ok), calibration={"images": int(calib), "seed": int(seed), "batch_size": 32})
