@@ -61,7 +61,8 @@ def main() -> None:
                 top1.append(res.q_top1 if res.q_top1 is not None else res.agreement)
                 fp.append(res.fp_top1 if res.fp_top1 is not None else 100.0)
                 secs.append(res.seconds_calibrate)
-            row = {"preset": preset, "gptq": a.gptq, "gptq_act_order": a.gptq_act_order, "overrides": a.override, "bits": b, "seeds": seeds, "top1": top1, "fp_top1": fp, "seconds": secs,
+            row = {"preset": preset, "gptq": a.gptq, "gptq_act_order": a.gptq_act_order, "overrides": a.override,
+                   "bits": b, "seeds": seeds, "top1": top1, "fp_top1": fp, "seconds": secs,
                    "mean": statistics.mean(top1), "range": max(top1) - min(top1)}
             rows.append(row)
             print(f"| `{preset}`{label} | {b}/{b} | {', '.join(f'{t:.2f}' for t in top1)} | {row['mean']:.2f} | "

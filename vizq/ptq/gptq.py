@@ -87,9 +87,10 @@ def compensate(weight: Tensor, gram: Tensor, q: Quantizer, damp: float = DAMP, a
     name, ``QuantConfig.gptq_act_order``) in order of decreasing input energy, the diagonal of
     XᵀX: the inputs that move the output most are rounded while every other column can still
     absorb their error, and the least important ones, rounded last, absorb none (README: its
-    measured effect on the real ViT-Ti). Column i of that order is rounded on q's grid; its error e_i, divided by U[i, i], is taken off the later
-    columns along row i of U, the upper Cholesky factor of (XᵀX + λI)⁻¹. Inputs that never
-    vary (a zero diagonal) get a unit diagonal, so their columns just round to nearest."""
+    measured effect on the real ViT-Ti). Column i of that order is rounded on q's grid; its
+    error e_i, divided by U[i, i], is taken off the later columns along row i of U, the upper
+    Cholesky factor of (XᵀX + λI)⁻¹. Inputs that never vary (a zero diagonal) get a unit
+    diagonal, so their columns just round to nearest."""
     n = weight.shape[1]
     order = torch.argsort(gram.diagonal(), descending=True, stable=True) if act_order else torch.arange(n)
     w = weight.detach().float()[:, order].clone()
