@@ -7,7 +7,7 @@ range (max - min), and the full-precision top-1 range over the same evaluation s
 Run (the README's spread tables):
   .venv/bin/python bench/seed_spread.py --model vit_tiny_patch16_224.augreg_in21k_ft_in1k \
       --data ../shared/data/imagenet-sample-500 --presets repq,adalog --bits 6,8 --seeds 0,1,2,3,4 \
-      --calib 32 --images 468 [--gptq [--gptq-act-order]] [--override RULE ...] [--json spread.json]
+      --calib 32 --images 468 [--gptq [--gptq-act-order] [--gptaq]] [--override RULE ...] [--json spread.json]
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=468)
     ap.add_argument("--gptq", action="store_true", help="GPTQ weight rounding (QuantConfig.gptq) for every job")
     ap.add_argument("--gptq-act-order", action="store_true", help="with --gptq: GPTQ's act order (QuantConfig.gptq_act_order)")
+    ap.add_argument("--gptaq", action="store_true", help="with --gptq: GPTAQ's asymmetric target (QuantConfig.gptaq)")
     ap.add_argument("--override", action="append", default=[], help="as vizq eval's --override, for every job (repeatable)")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -44,7 +45,8 @@ def main() -> None:
     data = DataSpec.of(a.data)
     seeds = [int(s) for s in a.seeds.split(",")]
     rows = []
-    label = (" --gptq" + (" --gptq-act-order" if a.gptq_act_order else "") if a.gptq else "") + "".join(
+    label = (" --gptq" + (" --gptq-act-order" if a.gptq_act_order else "") + (" --gptaq" if a.gptaq else "")
+             if a.gptq else "") + "".join(
         f" --override {r}" for r in a.override)
     print("| preset | W/A | top-1 (%), seeds " + ", ".join(map(str, seeds)) + " | mean | range | FP top-1 range | calib s (median) |")
     print("|---|---|---|---|---|---|---|")
@@ -53,7 +55,7 @@ def main() -> None:
             top1, fp, secs = [], [], []
             for seed in seeds:
                 cfg = QuantConfig.from_dict({"preset": preset, "wbits": b, "abits": b, "gptq": a.gptq,
-                                             "gptq_act_order": a.gptq_act_order,
+                                             "gptq_act_order": a.gptq_act_order, "gptaq": a.gptaq,
                                              "overrides": overrides_from_rules(a.override),
                                              "calibration": {"images": a.calib, "seed": seed}})
                 res, qm = run_eval(lm, cfg, data, n_eval=a.images, site_sqnr=False)  # top-1 is all it reports
@@ -61,7 +63,8 @@ def main() -> None:
                 top1.append(res.q_top1 if res.q_top1 is not None else res.agreement)
                 fp.append(res.fp_top1 if res.fp_top1 is not None else 100.0)
                 secs.append(res.seconds_calibrate)
-            row = {"preset": preset, "gptq": a.gptq, "gptq_act_order": a.gptq_act_order, "overrides": a.override,
+            row = {"preset": preset, "gptq": a.gptq, "gptq_act_order": a.gptq_act_order, "gptaq": a.gptaq,
+                   "overrides": a.override,
                    "bits": b, "seeds": seeds, "top1": top1, "fp_top1": fp, "seconds": secs,
                    "mean": statistics.mean(top1), "range": max(top1) - min(top1)}
             rows.append(row)

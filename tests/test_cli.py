@@ -87,3 +87,6 @@ def test_bad_input_gives_one_clear_line():
     assert p.returncode == 2 and "gptq" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     p = vizq("eval", "--gptq-act-order", check=False)
     assert p.returncode == 2 and "set gptq too" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    p = vizq("eval", "--gptaq", check=False)
+    assert p.returncode == 2 and "gptaq" in p.stderr and "set gptq too" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1

@@ -31,7 +31,7 @@ def command(name: str, help: str, args: Callable[[argparse.ArgumentParser], None
 
 class ProgressBar:
     """A :class:`~vizq.progress.Step` sink: one stderr line per phase, redrawn in place
-    ("calibrating 40/75 sites · … · ETA 3 s", then "evaluating 96/468 images · … · ETA 41 s")."""
+    ("calibrating 40/75 steps · … · ETA 3 s", then "evaluating 96/468 images · … · ETA 41 s")."""
 
     def __init__(self) -> None:
         self.phase: str | None = None

@@ -174,6 +174,9 @@ def _ptq_args(p: argparse.ArgumentParser) -> None:
                    help="round integer weights with GPTQ's error compensation on the calibration inputs (closed form, seconds)")
     p.add_argument("--gptq-act-order", action="store_true",
                    help="with --gptq: round each layer's input columns by decreasing energy (GPTQ's act order)")
+    p.add_argument("--gptaq", action="store_true",
+                   help="with --gptq: GPTAQ's asymmetric target, layer by layer on the quantized network's inputs "
+                        "against the float layer on the float inputs (about twice --gptq's time)")
     p.add_argument("--override", action="append", default=[],
                    help="SITE_GLOB_OR_KIND=QUANTIZER[:bits=N][:key=value] (repeatable)")
 
@@ -188,7 +191,7 @@ def config_from_args(a: argparse.Namespace):  # noqa: ANN201
             return QuantConfig.load(path)
     return QuantConfig(preset=a.preset, wbits=a.wbits, abits=a.abits, overrides=overrides_from_rules(a.override),
                        recon_iters=a.recon_iters, recon_scales=a.recon_scales, recon_batch=a.recon_batch, gptq=a.gptq,
-                       gptq_act_order=a.gptq_act_order,
+                       gptq_act_order=a.gptq_act_order, gptaq=a.gptaq,
                        calibration={"images": a.calib, "seed": a.seed, "batch_size": a.batch_size})
 
 

@@ -102,6 +102,7 @@ class QuantConfig:
     recon_batch: int = 0  # samples per reconstruction step, drawn at random; 0: every calibration sample
     gptq: bool = False  # weights rounded with GPTQ's error compensation on the float calibration inputs (ptq/gptq.py)
     gptq_act_order: bool = False  # with gptq: columns rounded by decreasing input energy (GPTQ's act order)
+    gptaq: bool = False  # with gptq: GPTAQ's asymmetric target, the float layer on the float inputs (ptq/gptq.py)
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -144,6 +145,10 @@ class QuantConfig:
             raise ConfigError(f"gptq_act_order must be true or false, got {self.gptq_act_order!r}")
         if self.gptq_act_order and not self.gptq:
             raise ConfigError("gptq_act_order orders GPTQ's column rounding; set gptq too")
+        if not isinstance(self.gptaq, bool):
+            raise ConfigError(f"gptaq must be true or false, got {self.gptaq!r}")
+        if self.gptaq and not self.gptq:
+            raise ConfigError("gptaq changes what GPTQ's rounding compensates; set gptq too")
         if self.gptq and PRESETS[self.preset].fixed_format:
             raise ConfigError(f"gptq compensates rounding on a uniform integer grid; preset {self.preset!r} "
                               "quantizes weights in a float or block format (use an integer preset, or drop gptq)")
@@ -225,7 +230,9 @@ def options_label(config: dict[str, Any] | None) -> str:
     '' (none), or e.g. '+gptq act order · +recon 200 · LSQ · batch 8'. Works on the stored dict, so old
     history rows (which lack the newer keys) read too."""
     config = config or {}
-    parts = [("+gptq act order" if config.get("gptq_act_order") else "+gptq")] if config.get("gptq") else []
+    parts = []
+    if config.get("gptq"):
+        parts.append(("+gptaq" if config.get("gptaq") else "+gptq") + (" act order" if config.get("gptq_act_order") else ""))
     iters = config.get("recon_iters") or 0
     if iters:
         parts.append(f"+recon {iters}")

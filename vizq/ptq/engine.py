@@ -298,7 +298,7 @@ class QuantizedModel(nn.Module):
         """RepQ-ViT's procedure (the module docstring)."""
         # Progress counts quantizers: the weights as one, each activation quantizer as it is
         # calibrated (in network order), the fold and weight recalibration as the last one.
-        total = len(self.acts) + 2
+        total = len(self.acts) + 2 + (len(self._gptaq_layers()) if self.config.gptaq else 0)
         self._ticks = (progress, cancel, total, [0])
         if progress:
             progress(0, total, "quantizing weights")  # starts the phase's clock
@@ -314,8 +314,12 @@ class QuantizedModel(nn.Module):
         mode = reparam_mode(self.config)
         if mode != "none":
             self._reparameterize(mode)
-        self._quantize_weights(self._float_input_grams(batches) if self.config.gptq else None)
-        self._tick(f"post-LN fold ({mode}) and weights recalibrated" + (" with GPTQ" if self.config.gptq else ""))
+        if self.config.gptaq:
+            self._quantize_weights_gptaq(batches)
+        else:
+            self._quantize_weights(self._float_input_grams(batches) if self.config.gptq else None)
+        how = " with GPTAQ" if self.config.gptaq else " with GPTQ" if self.config.gptq else ""
+        self._tick(f"post-LN fold ({mode}) and weights recalibrated{how}")
 
     def _tick(self, what: str) -> None:
         """One more quantizer calibrated; also where a cancel takes effect (between sites)."""
@@ -375,20 +379,58 @@ class QuantizedModel(nn.Module):
                 q.calibrate(w)
             mod.weight.data.copy_(q.fake_quant(w))
 
-    def _float_input_grams(self, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """XᵀX of every quantized Linear's input in the float network (after the post-LN fold,
-        so in the domain the folded weights see): activations are not rounded and each quantized
-        weight is its float original for this one forward."""
-        rounded = {p: self.model.get_submodule(p).weight.detach().clone() for p in self.weights}
+    @contextmanager
+    def _float_network(self, weights: dict[str, torch.Tensor] | None = None) -> Iterator[None]:
+        """The float network in the folded domain (the domain the folded weights see): activations
+        are not rounded and each quantized weight is its float original (``weights``, by default
+        the stored float weights), until the block ends."""
+        weights = self.fp_weights if weights is None else weights
+        rounded = {p: self.model.get_submodule(p).weight.data for p in self.weights}
         for p in self.weights:
-            self.model.get_submodule(p).weight.data.copy_(self.fp_weights[p])
+            self.model.get_submodule(p).weight.data = weights[p]
         self._float_folded = True
         try:
-            return gptq.input_grams(self.model, self.weights, lambda: [self.model(b) for b in batches])
+            yield
         finally:
             self._float_folded = False
             for p, w in rounded.items():
-                self.model.get_submodule(p).weight.data.copy_(w)
+                self.model.get_submodule(p).weight.data = w
+
+    def _float_input_grams(self, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """XᵀX of every quantized Linear's input in the float network (after the post-LN fold)."""
+        with self._float_network():
+            return gptq.input_grams(self.model, self.weights, lambda: [self.model(b) for b in batches])
+
+    def _gptaq_layers(self) -> list[str]:
+        return [p for p, q in self.weights.items()
+                if isinstance(self.model.get_submodule(p), nn.Linear) and gptq.supports(q)]
+
+    def _quantize_weights_gptaq(self, batches: list[torch.Tensor]) -> None:
+        """GPTAQ (``QuantConfig.gptaq``): the Linears are rounded one at a time in network order,
+        each on the inputs the quantized network now feeds it (activations rounded, every earlier
+        weight already compensated), against the float network's output on its own inputs — so a
+        layer also makes up for what upstream quantization did to its input (ptq/gptq.py). Both
+        inputs are read batch by batch with forwards that stop at the layer: two [in, in]
+        matrices per layer are all that is kept, whatever the calibration set's size."""
+        self._quantize_weights()  # nearest on the folded weights; each Linear is then replaced in turn
+        self.compensated = []
+        originals = dict(self.fp_weights)  # the float network stays the uncompensated one throughout
+        for path in self._gptaq_layers():
+            q, mod = self.weights[path], self.model.get_submodule(path)
+            h = torch.zeros(mod.in_features, mod.in_features, dtype=torch.float64)
+            cross = torch.zeros_like(h)
+            for b in batches:
+                with self._float_network(originals):
+                    x = gptq.input_of(self.model, path, b)
+                xq = gptq.input_of(self.model, path, b)
+                h += xq.T @ xq
+                cross += (x - xq).T @ xq
+            w = self.fp_weights[path]
+            q.calibrate(w, score=gptq.output_score(h))
+            w = self.fp_weights[path] = gptq.compensate(w, h, q, act_order=self.config.gptq_act_order, cross=cross)
+            self.compensated.append(path)
+            mod.weight.data.copy_(q.fake_quant(w))
+            self._tick(f"GPTAQ {path}")
 
     def _reparameterize(self, mode: str) -> None:
         for s in self.sites:

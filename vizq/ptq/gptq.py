@@ -32,6 +32,9 @@ GRIDS = ("uniform", "uniform_sym")
 #: by the layer's output error on the same inputs (:func:`output_score`): the percentile candidates
 #: of a 192-value row are its min and max, too wide a grid at 4 bits
 RANGE_METHOD = "mse"
+#: GPTAQ's weight on its asymmetric term (``QuantConfig.gptaq``): the constant of the released
+#: ViT code (Intelligent-Computing-Lab-Yale/GPTAQ, vit_quant/gptaq_utils.py)
+ALPHA = 0.25
 
 
 def supports(q: Quantizer) -> bool:
@@ -80,7 +83,8 @@ def input_grams(model: nn.Module, paths: Iterable[str], run: Callable[[], object
 
 
 @torch.no_grad()
-def compensate(weight: Tensor, gram: Tensor, q: Quantizer, damp: float = DAMP, act_order: bool = False) -> Tensor:
+def compensate(weight: Tensor, gram: Tensor, q: Quantizer, damp: float = DAMP, act_order: bool = False,
+               cross: Tensor | None = None, alpha: float = ALPHA) -> Tensor:
     """The float weight whose nearest rounding by ``q`` (already calibrated) is GPTQ's choice.
 
     Columns are rounded in their natural order, or with ``act_order`` (GPTQ's option of that
@@ -90,7 +94,14 @@ def compensate(weight: Tensor, gram: Tensor, q: Quantizer, damp: float = DAMP, a
     measured effect on the real ViT-Ti). Column i of that order is rounded on q's grid; its
     error e_i, divided by U[i, i], is taken off the later columns along row i of U, the upper
     Cholesky factor of (XᵀX + λI)⁻¹. Inputs that never vary (a zero diagonal) get a unit
-    diagonal, so their columns just round to nearest."""
+    diagonal, so their columns just round to nearest.
+
+    With ``cross`` = (X − X̃)ᵀX̃ (GPTAQ, ``QuantConfig.gptaq``; ``gram`` is then X̃ᵀX̃ of the
+    inputs the quantized network feeds the layer, X̃, and X those of the float network), the
+    target is the float layer's output on the float inputs, ‖X·Wᵀ − X̃·Ŵᵀ‖², not on the
+    quantized ones: upstream errors are compensated too. Each column's current value w_i also
+    moves the later columns by α·w_i·P[i], with P = triu((X − X̃)ᵀX̃·Uᵀ, 1)·U — the released
+    code's update, α its constant."""
     n = weight.shape[1]
     order = torch.argsort(gram.diagonal(), descending=True, stable=True) if act_order else torch.arange(n)
     w = weight.detach().float()[:, order].clone()
@@ -98,10 +109,45 @@ def compensate(weight: Tensor, gram: Tensor, q: Quantizer, damp: float = DAMP, a
     dead = h.diagonal() == 0
     h[dead, dead] = 1.0
     h.diagonal().add_(damp * float(h.diagonal().mean()))
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    u64 = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    p = None
+    if cross is not None:
+        d = cross.double()[order][:, order].clone()
+        d[:, dead] = 0.0  # an input that is always 0 in the quantized network carries no correction
+        p = (alpha * (d @ u64.T).triu(diagonal=1) @ u64).float()
+    u = u64.float()
     for i in range(n):
         col = w[:, i : i + 1]
         err = (col - q.fake_quant(col)) / u[i, i]
         if i + 1 < n:
-            w[:, i + 1 :].sub_(err @ u[i : i + 1, i + 1 :])
+            step = err @ u[i : i + 1, i + 1 :]
+            if p is not None:
+                step -= col @ p[i : i + 1, i + 1 :]
+            w[:, i + 1 :].sub_(step)
     return w[:, torch.argsort(order)].to(weight.dtype)
+
+
+class _Reached(Exception):
+    """Ends a forward once the layer whose input is wanted has been reached."""
+
+
+@torch.no_grad()
+def input_of(model: nn.Module, path: str, batch: Tensor) -> Tensor:
+    """The input ``path`` receives on ``batch`` ([tokens, in], float64); the forward stops there,
+    so the later layers cost nothing."""
+    got: list[Tensor] = []
+
+    def hook(m: nn.Module, args: tuple) -> None:
+        got.append(args[0].detach().reshape(-1, args[0].shape[-1]).double())
+        raise _Reached
+
+    handle = model.get_submodule(path).register_forward_pre_hook(hook)
+    try:
+        model(batch)
+    except _Reached:
+        pass
+    finally:
+        handle.remove()
+    if not got:
+        raise RuntimeError(f"{path} was not reached by the forward pass")
+    return got[0]

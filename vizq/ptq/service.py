@@ -5,8 +5,9 @@
 the loaded model, a :class:`QuantConfig`, a :class:`DataSpec` and a :class:`Run` (device,
 progress, cancel). The CLI and every dashboard page call only these: no page builds a
 calibration batch or decides which data to use, so the data a result reports is the data the
-run used. Progress comes as one phase-aware line ("calibrating k/N sites", then "evaluating
-k/N images"), each phase with its own ETA.
+run used. Progress comes as one phase-aware line ("calibrating k/N steps", a step being a
+quantizer calibrated, the fold or a GPTAQ layer; then "evaluating k/N images"), each phase
+with its own ETA.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def calibrate(loaded: LoadedModel, config: QuantConfig, data: DataSpec, run: Run
     """A calibrated model on ``data``'s calibration samples (see ``evaluate.calibrate``)."""
     run = run or Run()
     ctx = ctx or Context(device=str(run.device))
-    return calibrate_shared(loaded, config, DataSpec.of(data), ctx, progress=run.phase("calibrating", "sites"),
+    return calibrate_shared(loaded, config, DataSpec.of(data), ctx, progress=run.phase("calibrating", "steps"),
                             cancel=run.cancel, for_eval=for_eval,
                             recon_progress=run.phase("reconstructing", "steps"))
 
@@ -68,7 +69,7 @@ def evaluate(loaded: LoadedModel, config: QuantConfig, data: DataSpec, n_eval: i
         raise InputError(f"evaluate at least 1 {_units(loaded)[:-1]}, not {n_eval}")
     res, qm = run_eval(loaded, config, DataSpec.of(data), n_eval, str(run.device), batch_size,
                        progress=run.phase("evaluating", _units(loaded)), cancel=run.cancel, qmodel=qmodel, ctx=ctx,
-                       calib_progress=run.phase("calibrating", "sites"),
+                       calib_progress=run.phase("calibrating", "steps"),
                        recon_progress=run.phase("reconstructing", "steps"))
     if qmodel is None:
         qm.remove_hooks()
@@ -157,7 +158,7 @@ def deploy(loaded: LoadedModel, config: QuantConfig, data: DataSpec, non_uniform
     run = run or Run()
     return prepare(loaded, config, DataSpec.of(data), non_uniform, check_images, run.device, batch_size,
                    progress=run.phase("checking in ONNX Runtime", "images"), cancel=run.cancel,
-                   calib_progress=run.phase("calibrating", "sites"))
+                   calib_progress=run.phase("calibrating", "steps"))
 
 
 def sensitivity(loaded: LoadedModel, config: QuantConfig, data: DataSpec, n_eval: int, by: By = By.KIND,

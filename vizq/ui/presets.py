@@ -61,6 +61,10 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
     act_order = kept(st.checkbox, "GPTQ act order", f"{prefix}-gptq-order", False, disabled=not (gptq and gptq_ok),
                      help="round each layer's input columns by decreasing energy (largest calibration inputs "
                           "first), as GPTQ's act-order option does")
+    asym = kept(st.checkbox, "GPTAQ (asymmetric)", f"{prefix}-gptaq", False, disabled=not (gptq and gptq_ok),
+                help="GPTAQ: round the Linears one by one on the inputs the quantized network feeds them, "
+                     "against the float layer's output on the float inputs, so each layer also makes up for "
+                     "upstream quantization error (closed form, about twice GPTQ's time)")
     with st.expander("Block reconstruction (optional; slow: ~10 min for ViT-Ti at 200 steps on 2 CPU cores)"):
         st.caption("After calibration, re-round each block's integer weights (AdaRound with QDrop) so the block "
                    "reproduces the float block's output on the calibration images. On ViT-Ti with 32 images, "
@@ -77,4 +81,5 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
     return QuantConfig(preset=method, wbits=int(wbits), abits=int(abits), overrides=overrides,
                        recon_iters=int(iters), recon_scales=bool(scales and iters), recon_batch=int(rbatch),
                        gptq=bool(gptq and gptq_ok),
-                       gptq_act_order=bool(act_order and gptq and gptq_ok), calibration={"images": int(calib), "seed": int(seed), "batch_size": 32})
+                       gptq_act_order=bool(act_order and gptq and gptq_ok), gptaq=bool(asym and gptq and gptq_ok),
+                       calibration={"images": int(calib), "seed": int(seed), "batch_size": 32})
