@@ -28,6 +28,16 @@ def _inputs(bundled, module: str, n: int = 16) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def _calib_held_out_and_float(bundled) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """16 calibration digits, 64 held-out ones and the float model's logits on those."""
+    def batch(part: str, n: int) -> torch.Tensor:
+        return torch.cat([xb for xb, _, _ in bundled.iterate(resolve_images(bundled, None, part), list(range(n)), n)])
+
+    held_out = batch("eval", 64)
+    with torch.no_grad():
+        return batch("calib", 16), held_out, bundled.model(held_out)
+
+
 @pytest.mark.parametrize("module", ["blocks.0.mlp.fc1", "blocks.1.mlp.fc2"])
 def test_compensation_keeps_the_grid_and_lowers_the_layer_output_error(bundled, module):
     w = bundled.model.get_submodule(module).weight.detach()
@@ -75,12 +85,7 @@ def test_act_order_rounds_columns_by_input_energy_not_by_position():
 
 
 def test_gptq_model_is_closer_to_float_on_held_out_digits_and_reloads_bit_exactly(tmp_path, bundled):
-    def batch(part: str, n: int) -> torch.Tensor:
-        return torch.cat([xb for xb, _, _ in bundled.iterate(resolve_images(bundled, None, part), list(range(n)), n)])
-
-    calib, held_out = batch("calib", 16), batch("eval", 64)
-    with torch.no_grad():
-        ref = bundled.model(held_out)
+    calib, held_out, ref = _calib_held_out_and_float(bundled)
     errs = {}
     for on in (False, True):
         cfg = QuantConfig(preset="adalog", wbits=4, abits=4, gptq=on)
@@ -141,12 +146,7 @@ def test_gptaq_compensates_upstream_error_that_gptq_cannot_see(bundled, module):
 
 
 def test_gptaq_model_rounds_each_linear_in_turn_and_reloads_bit_exactly(tmp_path, bundled):
-    def batch(part: str, n: int) -> torch.Tensor:
-        return torch.cat([xb for xb, _, _ in bundled.iterate(resolve_images(bundled, None, part), list(range(n)), n)])
-
-    calib, held_out = batch("calib", 16), batch("eval", 64)
-    with torch.no_grad():
-        ref = bundled.model(held_out)
+    calib, held_out, ref = _calib_held_out_and_float(bundled)
     with QuantizedModel(bundled, QuantConfig(preset="adalog", wbits=4, abits=4)) as qm:
         qm.calibrate(calib)
         with torch.no_grad():
