@@ -176,7 +176,8 @@ def _ptq_args(p: argparse.ArgumentParser) -> None:
                    help="with --gptq: round each layer's input columns by decreasing energy (GPTQ's act order)")
     p.add_argument("--gptaq", action="store_true",
                    help="with --gptq: GPTAQ's asymmetric target, layer by layer on the quantized network's inputs "
-                        "against the float layer on the float inputs (about twice --gptq's time)")
+                        "against the float layer on the float inputs (about one forward of the calibration images "
+                        "per Linear)")
     p.add_argument("--override", action="append", default=[],
                    help="SITE_GLOB_OR_KIND=QUANTIZER[:bits=N][:key=value] (repeatable)")
 

@@ -64,7 +64,8 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
     asym = kept(st.checkbox, "GPTAQ (asymmetric)", f"{prefix}-gptaq", False, disabled=not (gptq and gptq_ok),
                 help="GPTAQ: round the Linears one by one on the inputs the quantized network feeds them, "
                      "against the float layer's output on the float inputs, so each layer also makes up for "
-                     "upstream quantization error (closed form, about twice GPTQ's time)")
+                     "upstream quantization error (closed form; about one forward of the calibration images "
+                     "per Linear)")
     with st.expander("Block reconstruction (optional; slow: ~10 min for ViT-Ti at 200 steps on 2 CPU cores)"):
         st.caption("After calibration, re-round each block's integer weights (AdaRound with QDrop) so the block "
                    "reproduces the float block's output on the calibration images. On ViT-Ti with 32 images, "
