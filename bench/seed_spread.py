@@ -7,7 +7,7 @@ range (max - min), and the full-precision top-1 range over the same evaluation s
 Run (the README's spread tables):
   .venv/bin/python bench/seed_spread.py --model vit_tiny_patch16_224.augreg_in21k_ft_in1k \
       --data ../shared/data/imagenet-sample-500 --presets repq,adalog --bits 6,8 --seeds 0,1,2,3,4 \
-      --calib 32 --images 468 [--gptq [--gptq-act-order] [--gptaq]] [--override RULE ...] [--json spread.json]
+      --calib 32 --images 468 [--gptq [--gptq-act-order] [--gptaq] [--gptq-damp F]] [--override RULE ...] [--json spread.json]
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 
 from vizq.dataspec import DataSpec
 from vizq.models import load_model
-from vizq.ptq.config import QuantConfig, overrides_from_rules
+from vizq.ptq.config import GPTQ_DAMP, QuantConfig, overrides_from_rules
 from vizq.ptq.evaluate import run_eval
 
 
@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--gptq", action="store_true", help="GPTQ weight rounding (QuantConfig.gptq) for every job")
     ap.add_argument("--gptq-act-order", action="store_true", help="with --gptq: GPTQ's act order (QuantConfig.gptq_act_order)")
     ap.add_argument("--gptaq", action="store_true", help="with --gptq: GPTAQ's asymmetric target (QuantConfig.gptaq)")
+    ap.add_argument("--gptq-damp", type=float, default=GPTQ_DAMP, help="with --gptq: GPTQ's damping (QuantConfig.gptq_damp)")
     ap.add_argument("--override", action="append", default=[], help="as vizq eval's --override, for every job (repeatable)")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -46,7 +47,7 @@ def main() -> None:
     seeds = [int(s) for s in a.seeds.split(",")]
     rows = []
     label = (" --gptq" + (" --gptq-act-order" if a.gptq_act_order else "") + (" --gptaq" if a.gptaq else "")
-             if a.gptq else "") + "".join(
+             + (f" --gptq-damp {a.gptq_damp:g}" if a.gptq_damp != GPTQ_DAMP else "") if a.gptq else "") + "".join(
         f" --override {r}" for r in a.override)
     print("| preset | W/A | top-1 (%), seeds " + ", ".join(map(str, seeds)) + " | mean | range | FP top-1 range | calib s (median) |")
     print("|---|---|---|---|---|---|---|")
@@ -56,7 +57,7 @@ def main() -> None:
             for seed in seeds:
                 cfg = QuantConfig.from_dict({"preset": preset, "wbits": b, "abits": b, "gptq": a.gptq,
                                              "gptq_act_order": a.gptq_act_order, "gptaq": a.gptaq,
-                                             "overrides": overrides_from_rules(a.override),
+                                             "gptq_damp": a.gptq_damp, "overrides": overrides_from_rules(a.override),
                                              "calibration": {"images": a.calib, "seed": seed}})
                 res, qm = run_eval(lm, cfg, data, n_eval=a.images, site_sqnr=False)  # top-1 is all it reports
                 qm.remove_hooks()
@@ -64,7 +65,7 @@ def main() -> None:
                 fp.append(res.fp_top1 if res.fp_top1 is not None else 100.0)
                 secs.append(res.seconds_calibrate)
             row = {"preset": preset, "gptq": a.gptq, "gptq_act_order": a.gptq_act_order, "gptaq": a.gptaq,
-                   "overrides": a.override,
+                   "gptq_damp": a.gptq_damp, "overrides": a.override,
                    "bits": b, "seeds": seeds, "top1": top1, "fp_top1": fp, "seconds": secs,
                    "mean": statistics.mean(top1), "range": max(top1) - min(top1)}
             rows.append(row)

@@ -90,3 +90,7 @@ def test_bad_input_gives_one_clear_line():
     p = vizq("eval", "--gptaq", check=False)
     assert p.returncode == 2 and "gptaq" in p.stderr and "set gptq too" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+    p = vizq("eval", "--gptq-damp", "0.1", check=False)
+    assert p.returncode == 2 and "gptq_damp" in p.stderr and "set gptq too" in p.stderr
+    p = vizq("eval", "--gptq", "--gptq-damp", "2", check=False)
+    assert p.returncode == 2 and "at most 1" in p.stderr and len(p.stderr.strip().splitlines()) == 1

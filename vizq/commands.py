@@ -178,6 +178,9 @@ def _ptq_args(p: argparse.ArgumentParser) -> None:
                    help="with --gptq: GPTAQ's asymmetric target, layer by layer on the quantized network's inputs "
                         "against the float layer on the float inputs (about one forward of the calibration images "
                         "per Linear)")
+    p.add_argument("--gptq-damp", type=float, default=None, metavar="F",
+                   help="with --gptq: damping added to the Gram matrix's diagonal, F times its mean (GPTQ's percdamp; "
+                        "default 0.01, GPTQ's; GPTAQ's ViT script runs 0.1)")
     p.add_argument("--override", action="append", default=[],
                    help="SITE_GLOB_OR_KIND=QUANTIZER[:bits=N][:key=value] (repeatable)")
 
@@ -193,6 +196,7 @@ def config_from_args(a: argparse.Namespace):  # noqa: ANN201
     return QuantConfig(preset=a.preset, wbits=a.wbits, abits=a.abits, overrides=overrides_from_rules(a.override),
                        recon_iters=a.recon_iters, recon_scales=a.recon_scales, recon_batch=a.recon_batch, gptq=a.gptq,
                        gptq_act_order=a.gptq_act_order, gptaq=a.gptaq,
+                       **({} if a.gptq_damp is None else {"gptq_damp": a.gptq_damp}),
                        calibration={"images": a.calib, "seed": a.seed, "batch_size": a.batch_size})
 
 

@@ -132,23 +132,25 @@ def test_gptq_and_reconstruction_are_choices_on_evaluate_and_history_says_they_w
     at.number_input(key="cfg-calib").set_value(4).run()  # what is checked is the record, not the accuracy
     assert at.checkbox(key="cfg-gptq-order").disabled  # act order orders GPTQ's rounding: off without it
     assert at.checkbox(key="cfg-gptaq").disabled  # so does GPTAQ's target
+    assert at.number_input(key="cfg-gptq-damp").disabled  # and GPTQ's damping
     at.checkbox(key="cfg-gptq").check().run()
     at.checkbox(key="cfg-gptq-order").check().run()
     at.checkbox(key="cfg-gptaq").check().run()
+    at.number_input(key="cfg-gptq-damp").set_value(0.1).run()
     at.number_input(key="cfg-recon").set_value(20).run()
     at.checkbox(key="cfg-rscales").check().run()
     at.number_input[-1].set_value(20)
     next(b for b in at.button if b.label == "Run evaluation").click().run()
     _wait(at, lambda a: any("agreement" in s.value for s in a.success))
     msg = next(s.value for s in at.success if "agreement" in s.value)
-    assert "+gptaq act order · +recon 20 · LSQ" in msg, msg
+    assert "+gptaq act order damp 0.1 · +recon 20 · LSQ" in msg, msg
     from vizq.runs import load_history
 
     cfg = load_history()[-1]["config"]
     assert cfg["recon_iters"] == 20 and cfg["recon_scales"] is True and cfg["recon_batch"] == 0 and cfg["gptq"] is True
-    assert cfg["gptq_act_order"] is True and cfg["gptaq"] is True
+    assert cfg["gptq_act_order"] is True and cfg["gptaq"] is True and cfg["gptq_damp"] == 0.1
     table = next(df.value for df in at.dataframe if "options" in df.value.columns)
-    assert list(table["options"]) == ["+gptaq act order · +recon 20 · LSQ"]
+    assert list(table["options"]) == ["+gptaq act order damp 0.1 · +recon 20 · LSQ"]
 
 
 def _wait(at: AppTest, done, timeout: float = 120) -> AppTest:

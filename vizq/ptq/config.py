@@ -16,6 +16,7 @@ from ..sites import KINDS
 #: a different thing). 3: ``ptq4vit`` became the released code's form; what it meant before is
 #: ``ptq4vit-mse``. Older files still load: :func:`migrate` renames what changed.
 CONFIG_VERSION = 3
+GPTQ_DAMP = 0.01  # QuantConfig.gptq_damp's default, GPTQ's released percdamp (ptq/gptq.py: DAMP)
 #: A configuration is a few kilobytes; anything far larger is a mistake (or hostile) and would
 #: take minutes to parse and validate, so it is refused before parsing.
 MAX_CONFIG_BYTES = 1 << 20
@@ -103,6 +104,9 @@ class QuantConfig:
     gptq: bool = False  # weights rounded with GPTQ's error compensation on the float calibration inputs (ptq/gptq.py)
     gptq_act_order: bool = False  # with gptq: columns rounded by decreasing input energy (GPTQ's act order)
     gptaq: bool = False  # with gptq: GPTAQ's asymmetric target, the float layer on the float inputs (ptq/gptq.py)
+    #: with gptq: λ = gptq_damp · mean(diag XᵀX) added to the Gram before inverting it (GPTQ's percdamp;
+    #: its default 0.01 is gptq.DAMP; GPTAQ's ViT script runs 0.1)
+    gptq_damp: float = GPTQ_DAMP
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -111,6 +115,8 @@ class QuantConfig:
             if unknown:
                 raise ConfigError(f"unknown key(s) calibration.{sorted(unknown)[0]}; allowed: images, seed, batch_size")
             self.calibration = CalibrationConfig(**self.calibration)
+        if type(self.gptq_damp) is int:  # a YAML/JSON 1 means 1.0; stored as what the engine uses
+            self.gptq_damp = float(self.gptq_damp)
         self.validate()
 
     def validate(self) -> None:
@@ -149,6 +155,11 @@ class QuantConfig:
             raise ConfigError(f"gptaq must be true or false, got {self.gptaq!r}")
         if self.gptaq and not self.gptq:
             raise ConfigError("gptaq changes what GPTQ's rounding compensates; set gptq too")
+        d = self.gptq_damp
+        if not isinstance(d, (int, float)) or isinstance(d, bool) or not 0 < d <= 1:
+            raise ConfigError(f"gptq_damp must be a number above 0 and at most 1 (GPTQ's 0.01 by default), got {d!r}")
+        if d != GPTQ_DAMP and not self.gptq:
+            raise ConfigError("gptq_damp damps the Gram matrix GPTQ's rounding inverts; set gptq too")
         if self.gptq and PRESETS[self.preset].fixed_format:
             raise ConfigError(f"gptq compensates rounding on a uniform integer grid; preset {self.preset!r} "
                               "quantizes weights in a float or block format (use an integer preset, or drop gptq)")
@@ -233,6 +244,9 @@ def options_label(config: dict[str, Any] | None) -> str:
     parts = []
     if config.get("gptq"):
         parts.append(("+gptaq" if config.get("gptaq") else "+gptq") + (" act order" if config.get("gptq_act_order") else ""))
+        damp = config.get("gptq_damp", GPTQ_DAMP)
+        if damp != GPTQ_DAMP:
+            parts[-1] += f" damp {damp:g}"
     iters = config.get("recon_iters") or 0
     if iters:
         parts.append(f"+recon {iters}")

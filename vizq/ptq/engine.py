@@ -373,7 +373,8 @@ class QuantizedModel(nn.Module):
             w = self.fp_weights[path]
             if grams is not None and path in grams and gptq.supports(q):
                 q.calibrate(w, score=gptq.output_score(grams[path]))
-                w = self.fp_weights[path] = gptq.compensate(w, grams[path], q, act_order=self.config.gptq_act_order)
+                w = self.fp_weights[path] = gptq.compensate(w, grams[path], q, damp=self.config.gptq_damp,
+                                                            act_order=self.config.gptq_act_order)
                 self.compensated.append(path)
             else:
                 q.calibrate(w)
@@ -427,7 +428,8 @@ class QuantizedModel(nn.Module):
                 cross += (x - xq).T @ xq
             w = self.fp_weights[path]
             q.calibrate(w, score=gptq.output_score(h))
-            w = self.fp_weights[path] = gptq.compensate(w, h, q, act_order=self.config.gptq_act_order, cross=cross)
+            w = self.fp_weights[path] = gptq.compensate(w, h, q, damp=self.config.gptq_damp,
+                                                        act_order=self.config.gptq_act_order, cross=cross)
             self.compensated.append(path)
             mod.weight.data.copy_(q.fake_quant(w))
             self._tick(f"GPTAQ {path}")

@@ -22,9 +22,12 @@ import torch
 from torch import nn
 
 from ..quant import Quantizer
+from .config import GPTQ_DAMP
 
 Tensor = torch.Tensor
-DAMP = 0.01  # λ = DAMP · mean(diag XᵀX): keeps the inverse finite where inputs are nearly collinear
+#: λ = DAMP · mean(diag XᵀX) by default (QuantConfig.gptq_damp): keeps the inverse finite where
+#: inputs are nearly collinear
+DAMP = GPTQ_DAMP
 #: weight quantizers whose grid is elementwise with per-row (or one) parameters: a column can be
 #: rounded alone on it. Block formats (MX/NV) share a scale across columns; FP grids are left as they are.
 GRIDS = ("uniform", "uniform_sym")

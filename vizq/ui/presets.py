@@ -9,7 +9,7 @@ import pandas as pd
 import streamlit as st
 
 from ..ptq.catalog import Procedure
-from ..ptq.config import QuantConfig
+from ..ptq.config import GPTQ_DAMP, QuantConfig
 from ..ptq.presets import PRESETS, QUANTIZED_ACT_KINDS, presets_for
 from ..quant import list_quantizers
 from .state import kept, units_of
@@ -66,6 +66,10 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
                      "against the float layer's output on the float inputs, so each layer also makes up for "
                      "upstream quantization error (closed form; about one forward of the calibration images "
                      "per Linear)")
+    damp = kept(st.number_input, "GPTQ damping", f"{prefix}-gptq-damp", GPTQ_DAMP, min_value=0.001, max_value=1.0,
+                step=0.01, format="%.3f", disabled=not (gptq and gptq_ok),
+                help="added to the diagonal of the calibration inputs' Gram matrix before it is inverted, as a "
+                     "fraction of its mean (GPTQ's percdamp): 0.01 is GPTQ's default, 0.1 GPTAQ's ViT script's")
     with st.expander("Block reconstruction (optional; slow: ~10 min for ViT-Ti at 200 steps on 2 CPU cores)"):
         st.caption("After calibration, re-round each block's integer weights (AdaRound with QDrop) so the block "
                    "reproduces the float block's output on the calibration images. On ViT-Ti with 32 images, "
@@ -83,4 +87,5 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
                        recon_iters=int(iters), recon_scales=bool(scales and iters), recon_batch=int(rbatch),
                        gptq=bool(gptq and gptq_ok),
                        gptq_act_order=bool(act_order and gptq and gptq_ok), gptaq=bool(asym and gptq and gptq_ok),
+                       gptq_damp=float(damp) if gptq and gptq_ok else GPTQ_DAMP,
                        calibration={"images": int(calib), "seed": int(seed), "batch_size": 32})
