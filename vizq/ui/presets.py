@@ -66,7 +66,7 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
                      "against the float layer's output on the float inputs, so each layer also makes up for "
                      "upstream quantization error (closed form; about one forward of the calibration images "
                      "per Linear)")
-    damp = kept(st.number_input, "GPTQ damping", f"{prefix}-gptq-damp", GPTQ_DAMP, min_value=0.001, max_value=1.0,
+    damp = kept(st.columns([1, 2])[0].number_input, "GPTQ damping", f"{prefix}-gptq-damp", GPTQ_DAMP, min_value=0.001, max_value=1.0,
                 step=0.01, format="%.3f", disabled=not (gptq and gptq_ok),
                 help="added to the diagonal of the calibration inputs' Gram matrix before it is inverted, as a "
                      "fraction of its mean (GPTQ's percdamp): 0.01 is GPTQ's default, 0.1 GPTAQ's ViT script's")
