@@ -105,7 +105,7 @@ class QuantConfig:
     gptq_act_order: bool = False  # with gptq: columns rounded by decreasing input energy (GPTQ's act order)
     gptaq: bool = False  # with gptq: GPTAQ's asymmetric target, the float layer on the float inputs (ptq/gptq.py)
     #: with gptq: λ = gptq_damp · mean(diag XᵀX) added to the Gram before inverting it (GPTQ's percdamp;
-    #: its default 0.01 is gptq.DAMP; GPTAQ's ViT script runs 0.1)
+    #: GPTAQ's ViT script runs 0.1)
     gptq_damp: float = GPTQ_DAMP
     version: int = CONFIG_VERSION
 
@@ -157,7 +157,7 @@ class QuantConfig:
             raise ConfigError("gptaq changes what GPTQ's rounding compensates; set gptq too")
         d = self.gptq_damp
         if not isinstance(d, (int, float)) or isinstance(d, bool) or not 0 < d <= 1:
-            raise ConfigError(f"gptq_damp must be a number above 0 and at most 1 (GPTQ's 0.01 by default), got {d!r}")
+            raise ConfigError(f"gptq_damp must be a number above 0 and at most 1 (GPTQ's {GPTQ_DAMP} by default), got {d!r}")
         if d != GPTQ_DAMP and not self.gptq:
             raise ConfigError("gptq_damp damps the Gram matrix GPTQ's rounding inverts; set gptq too")
         if self.gptq and PRESETS[self.preset].fixed_format:
