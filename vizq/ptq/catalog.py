@@ -11,6 +11,7 @@ from typing import Any
 
 QUANTIZED_ACT_KINDS = ("post_ln", "post_softmax", "post_gelu", "q", "k", "v", "attn_proj_in", "linear_in")
 GELU_SHIFT = 0.16997  # |min GELU|: AdaLog quantizes x + η and folds -Ŵη into fc2's bias
+GELU_SHIFT_RELEASED = 0.16997124254703522  # the same, to the digits AdaLog's released code uses
 PATCH_INPUT_BITS = 8
 
 
@@ -19,6 +20,7 @@ class Procedure(str, Enum):
 
     SEQUENTIAL = "sequential"  # RepQ-ViT's pass: network order, quantized upstream, then the fold
     PTQ4VIT = "ptq4vit"  # PTQ4ViT's released code: per layer on float inputs, output-scored (ptq4vit.py)
+    ADALOG = "adalog"  # AdaLog's released code: per layer on float inputs, FPCS range/zero-point searches (adalog.py)
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,19 @@ PRESETS: dict[str, Preset] = {
                {"post_ln": _LN_PC, "post_softmax": ("adalog", {}), "post_gelu": ("adalog", {"signed": False})},
                ("uniform", _PCT), _W_PC, reparam="mean", shifts={"post_gelu": GELU_SHIFT}, paper="AdaLog (ECCV'24)",
                patch_input=("uniform", _PCT)),
+        Preset("adalog-released", "AdaLog as its released code does it: every layer calibrated on float inputs; "
+               "asymmetric ranges and zero points of every weight row and input searched by FPCS, first on their "
+               "own MSE, then 3 rounds on the layer's output; post-LN per channel folded (mean scale, rounded mean "
+               "zero point); searched-base log softmax (scale 1) and shifted post-GELU; q/k/v per head; "
+               "patch-embedding input float",
+               {"post_softmax": ("adalog", {"signed": False, "table": "released"}),
+                "post_gelu": ("adalog", {"signed": False, "table": "released"}),
+                **{k: ("uniform", {"granularity": "head"}) for k in ("q", "k", "v")}},
+               ("uniform", {}), ("uniform", {"granularity": "out_channel"}), shifts={"post_gelu": GELU_SHIFT_RELEASED},
+               paper="AdaLog (ECCV'24)", patch_input=None, procedure=Procedure.ADALOG, modalities=("image",),
+               cost="slow by design: 128 candidates × 6 FPCS passes × 3 rounds for the weight rows and the input of "
+                    "every layer, each scored on the layer's output; ViT-Ti with 32 calibration images takes hours "
+                    "on 2 CPU cores (minutes on a GPU)"),
         Preset("ias", "SULQ softmax, per-channel post-LN folded (mean); optional block reconstruction (the released "
                "code always reconstructs; not compared side by side)",
                {"post_ln": _LN_PC, "post_softmax": ("sulq", {})},

@@ -267,8 +267,11 @@ class QuantizedModel(nn.Module):
         with the quantizers before it already calibrated and applied, then calibrates.
         """
         batches = images if isinstance(images, list) else [images]
-        if PRESETS[self.config.preset].procedure is Procedure.PTQ4VIT:
+        procedure = PRESETS[self.config.preset].procedure
+        if procedure is Procedure.PTQ4VIT:
             self._calibrate_ptq4vit(images, progress, cancel)
+        elif procedure is Procedure.ADALOG:
+            self._calibrate_adalog(images, progress, cancel)
         else:
             self._calibrate_sequential(batches, progress, cancel)
         self._stash.clear()
@@ -292,6 +295,14 @@ class QuantizedModel(nn.Module):
         for aq in self.acts.values():
             aq.q.state = {}
         ptq4vit.calibrate(self, images, progress=progress, cancel=cancel)
+
+    def _calibrate_adalog(self, images: torch.Tensor | list[torch.Tensor], progress: Progress | None,
+                          cancel: Callable[[], bool] | None) -> None:
+        from . import adalog
+
+        for aq in self.acts.values():
+            aq.q.state = {}
+        adalog.calibrate(self, images, progress=progress, cancel=cancel)
 
     def _calibrate_sequential(self, batches: list[torch.Tensor], progress: Progress | None,
                               cancel: Callable[[], bool] | None) -> None:

@@ -168,6 +168,14 @@ def adalog_table(r: int = ADALOG_R, frac_bits: int = ADALOG_TABLE_FRAC_BITS) -> 
     return (torch.round(torch.exp2(-j / r) * 2**frac_bits) / 2**frac_bits).float()
 
 
+def released_table(bits: int, r: int = ADALOG_R) -> Tensor:
+    """T[j] = 2^(-j/r) rounded to a multiple of 1/(2^(b+1) - 2), as AdaLog's released code
+    builds its dequantization table for b-bit codes (in float64, stored as float32): a table
+    as coarse as the codes, where the 16-bit one is what a hardware table would hold."""
+    den = 4 * 2 ** (bits - 1) - 2
+    return torch.tensor([round(2 ** (-j / r) * den) / den for j in range(r)], dtype=torch.float32)
+
+
 @register
 class AdaLogQuantizer(MagnitudeQuantizer):
     """AdaLog: adaptive base 2^(q/37), q searched coarse to fine; q = 37 is exactly log2.
@@ -178,7 +186,10 @@ class AdaLogQuantizer(MagnitudeQuantizer):
 
     name = "adalog"
     description = "AdaLog: searched log base, shift + table dequant"
-    defaults = {**MagnitudeQuantizer.defaults, "base_q": None}
+    #: ``table``: "fixed16" (2^(-j/37) in 16-bit fixed point) or "released" (the released
+    #: code's table, rounded to 1/(2^(b+1) - 2), and its 1e-15 floor before the log)
+    defaults = {**MagnitudeQuantizer.defaults, "base_q": None, "table": "fixed16"}
+    choices = {**MagnitudeQuantizer.choices, "table": ("fixed16", "released")}
 
     def _fit_mag(self, a: Tensor, amax: Tensor) -> dict[str, Tensor]:
         g = amax.shape[0]
@@ -211,14 +222,16 @@ class AdaLogQuantizer(MagnitudeQuantizer):
     def _codes(self, a: Tensor, p: dict[str, Tensor]) -> Tensor:
         """round(-log2(a/s)·37/q) clamped to [0, n]; code n (past the last level) means 0.
         In place after the first division: the range search runs this on [K, G, M] candidates."""
-        c = (a / p["scale"]).clamp_min_(torch.finfo(torch.float32).tiny).log2_()  # = log2_safe(a / s)
+        floor = 1e-15 if self.options["table"] == "released" else torch.finfo(torch.float32).tiny
+        c = (a / p["scale"]).clamp_min_(floor).log2_()  # = log2_safe(a / s)
         return c.neg_().mul_(ADALOG_R).div_(p["base_q"]).round_().clamp_(0, self.n_codes)
 
     def _dequant(self, c: Tensor, p: dict[str, Tensor]) -> Tensor:
         e = c * p["base_q"]
         shift = torch.floor(e / ADALOG_R)
         idx = (e - shift * ADALOG_R).long().clamp(0, ADALOG_R - 1)
-        return p["scale"] * torch.exp2(-shift) * adalog_table().to(c.device)[idx]
+        table = released_table(self.bits) if self.options["table"] == "released" else adalog_table()
+        return p["scale"] * torch.exp2(-shift) * table.to(c.device)[idx]
 
     def _table(self, p: dict[str, Tensor]) -> Tensor:
         """[*P, n + 1]: the n levels as the hardware dequantizes them (shift + table), then 0.
