@@ -41,7 +41,7 @@ from torch import nn
 
 from ..errors import Cancelled, InputError
 from ..quant import Quantizer
-from .ptq4vit import Layer, layers
+from .ptq4vit import Layer, float_image_batch, layers, set_state
 from .reparam import Fold, apply_fold
 
 Tensor = torch.Tensor
@@ -174,7 +174,7 @@ def adalog_fq(x: Tensor, scale: Tensor, q: int, bits: int) -> Tensor:
     """An AdaLog quantizer's forward in the released code (scale, base q)."""
     n = 2 ** (bits - 1)
     a = (x / scale).clamp(min=1e-15, max=1.0)
-    c = torch.round(-a.log2() * R / torch.tensor([q]))
+    c = torch.round(-a.log2() * R / torch.tensor([q], device=x.device))
     mask = c < 2 * n
     c = torch.clamp(c, 0, 2 * n - 1).long()
     t1, t2 = eval_tables(q, bits)
@@ -391,9 +391,9 @@ class _PostGelu(_Linear):
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
-        self.shift = torch.tensor([GELU_SHIFT])
+        self.shift = torch.tensor([GELU_SHIFT], device=self.x.device)
         self.table = search_table(self.abits)
-        self.scale = torch.zeros(1)
+        self.scale = torch.zeros(1, device=self.x.device)
         self.q = int(R)
 
     def quant_in(self, x: Tensor) -> Tensor:
@@ -410,7 +410,7 @@ class _PostGelu(_Linear):
         _fpcs(*self.weight_grid(), 0, self.w_self)
         hi, _ = _pct(self.x.device)
         ud = (_positive_percentile(self.x.reshape(-1), hi) + self.shift.item()).unsqueeze(0)  # [1, 2]
-        frac = torch.tensor([i / (EQ_N - 1) for i in range(EQ_N)]).view(1, -1)
+        frac = torch.tensor([i / (EQ_N - 1) for i in range(EQ_N)], device=self.x.device).view(1, -1)
         self.scale = (ud[:, 0:1] + (ud[:, 1:] - ud[:, 0:1]) * frac)[:, -2]
         for _ in range(ROUNDS):
             self._scale_base_fpcs(ud)
@@ -418,9 +418,9 @@ class _PostGelu(_Linear):
 
     def _scale_base_fpcs(self, ud: Tensor, bases: int = 8, n_scales: int = 16, width: int = 32) -> None:
         """The bases alone at the current scale (the best 8), then FPCS over 8 bases × 16 scales."""
-        q_all = torch.arange(Q_FIRST, Q_FIRST + EQ_N).view(1, -1)
+        q_all = torch.arange(Q_FIRST, Q_FIRST + EQ_N, device=self.x.device).view(1, -1)
         top = self._scores(self.scale.view(1, 1).expand(1, EQ_N), q_all, bases)
-        frac = torch.tensor([i / (n_scales - 1) for i in range(n_scales)]).view(1, -1)
+        frac = torch.tensor([i / (n_scales - 1) for i in range(n_scales)], device=self.x.device).view(1, -1)
         s = ud[:, 0:1] + (ud[:, 1:] - ud[:, 0:1]) * frac
         q = q_all.gather(-1, top).repeat_interleave(n_scales, dim=-1)
 
@@ -459,7 +459,7 @@ class _Product:
 
     def a_now(self, a: Tensor) -> Tensor:
         if self.softmax:
-            return adalog_fq(a, torch.ones(1, 1, 1, 1), self.q, self.abits)
+            return adalog_fq(a, torch.ones(1, 1, 1, 1, device=a.device), self.q, self.abits)
         return self.aq(a)
 
     def _scores(self, make: Callable[[Tensor, Tensor, slice], Tensor], n: int, per_head: bool) -> Tensor:
@@ -495,7 +495,7 @@ class _Product:
 
     def _base(self) -> None:
         """The softmax's base alone (scale 1), on attn·v with v as now quantized."""
-        qs = torch.arange(Q_FIRST, Q_FIRST + EQ_N).view(-1, 1, 1, 1, 1)
+        qs = torch.arange(Q_FIRST, Q_FIRST + EQ_N, device=self.A.device).view(-1, 1, 1, 1, 1)
 
         def make(A: Tensor, B: Tensor, c: slice) -> Tensor:
             return _adalog_cands(A.squeeze(0), qs[c], self.na, self.table) @ self.bq(B).unsqueeze(0)
@@ -568,13 +568,6 @@ def _groups(all_layers: list[Layer]) -> list[list[Layer]]:
     return out + ([cur] if cur else [])
 
 
-def _set(q: Quantizer, x: Tensor, state: dict[str, Tensor]) -> None:
-    """Searched parameters as the quantizer's calibrated state (axis from the tensor it
-    quantizes, as its own ``calibrate`` would set it)."""
-    q.axis = q._axis_for(x)
-    q.state = {k: v.detach().float().reshape(-1).contiguous() for k, v in state.items()}
-
-
 def _check(q: Quantizer | None, names: tuple[str, ...], where: str) -> None:
     if q is not None and q.name not in names:
         raise InputError(f"the adalog-released preset searches {where} as {' or '.join(names)}, not {q.name}; "
@@ -587,16 +580,8 @@ def calibrate(qm: Any, images: Tensor | list[Tensor], progress: Progress | None 
     """Calibrate every quantizer of ``qm`` (a fresh :class:`~vizq.ptq.engine.QuantizedModel`
     whose weights are still float) as AdaLog's released code does, fold the post-LN grids,
     then fake-quantize the weights. Progress counts layers."""
-    if isinstance(images, list):
-        if len({tuple(t.shape[1:]) for t in images}) != 1:
-            raise InputError("the adalog-released preset calibrates image models (one batch of equal-size images)")
-        images = torch.cat(images)
-    if images.dim() != 4:
-        raise InputError("the adalog-released preset calibrates image models (a batch of images)")
+    images = float_image_batch(qm, images, "adalog-released")
     model = qm.model
-    with torch.no_grad():  # the float network, whatever an earlier calibration left in it
-        for path, w in qm.fp_weights.items():
-            model.get_submodule(path).weight.data.copy_(w)
     site_of = {s.name: s for s in qm.sites}
     all_layers = layers(qm)
     total, done = len(all_layers), 0
@@ -660,11 +645,11 @@ def _layer(qm: Any, l: Layer, cap: Captured, site_of: dict[str, Any]) -> None:
         lin.wv = lin.w.view(lin.n_v, lin.w.shape[0] // lin.n_v, lin.w.shape[1])
         lin.bias = mod.bias.detach()
     lin.search()
-    _set(wq, w, {"scale": lin.wq.scale, "zero_point": lin.wq.zero_point})
+    set_state(wq, w, {"scale": lin.wq.scale, "zero_point": lin.wq.zero_point})
     if gelu:
-        _set(aq, cap.x, {"scale": lin.scale, "base_q": torch.tensor([float(lin.q)])})
+        set_state(aq, cap.x, {"scale": lin.scale, "base_q": torch.tensor([float(lin.q)])})
     elif aq is not None:
-        _set(aq, cap.x, {"scale": lin.aq.scale, "zero_point": lin.aq.zero_point})
+        set_state(aq, cap.x, {"scale": lin.aq.scale, "zero_point": lin.aq.zero_point})
 
 
 def _product(qm: Any, l: Layer, cap: Captured) -> None:
@@ -677,8 +662,8 @@ def _product(qm: Any, l: Layer, cap: Captured) -> None:
     p = _Product(l, cap, act_a.q.bits, act_b.q.bits, softmax)
     p.search()
     if softmax:
-        _set(act_a.q, cap.x, {"scale": torch.ones(1), "base_q": torch.tensor([float(p.q)])})
+        set_state(act_a.q, cap.x, {"scale": torch.ones(1), "base_q": torch.tensor([float(p.q)])})
     else:
-        _set(act_a.q, cap.x, {"scale": p.aq.scale, "zero_point": p.aq.zero_point})
+        set_state(act_a.q, cap.x, {"scale": p.aq.scale, "zero_point": p.aq.zero_point})
     b = cap.b.transpose(-2, -1) if l.name.endswith("matmul1") else cap.b  # the site sees k, not kᵀ
-    _set(act_b.q, b, {"scale": p.bq.scale, "zero_point": p.bq.zero_point})
+    set_state(act_b.q, b, {"scale": p.bq.scale, "zero_point": p.bq.zero_point})

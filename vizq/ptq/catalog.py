@@ -86,7 +86,7 @@ PRESETS: dict[str, Preset] = {
                ("uniform", _PCT), _W_PC, reparam="median", paper="DopQ-ViT", patch_input=("uniform", _PCT)),
         Preset("adalog", "AdaLog's searched-base log quantizers for softmax and bias-shifted post-GELU (output-scored) on "
                "RepQ-ViT's calibration; the released code searches every uniform range by layer output instead "
-               "(README: side by side)",
+               "(that is adalog-released)",
                {"post_ln": _LN_PC, "post_softmax": ("adalog", {}), "post_gelu": ("adalog", {"signed": False})},
                ("uniform", _PCT), _W_PC, reparam="mean", shifts={"post_gelu": GELU_SHIFT}, paper="AdaLog (ECCV'24)",
                patch_input=("uniform", _PCT)),
@@ -101,8 +101,9 @@ PRESETS: dict[str, Preset] = {
                ("uniform", {}), ("uniform", {"granularity": "out_channel"}), shifts={"post_gelu": GELU_SHIFT_RELEASED},
                paper="AdaLog (ECCV'24)", patch_input=None, procedure=Procedure.ADALOG, modalities=("image",),
                cost="slow by design: 128 candidates × 6 FPCS passes × 3 rounds for the weight rows and the input of "
-                    "every layer, each scored on the layer's output; ViT-Ti with 32 calibration images takes hours "
-                    "on 2 CPU cores (minutes on a GPU)"),
+                    "every layer, each scored on the layer's output, as the released code does; ViT-Ti with 32 "
+                    "calibration images takes about an hour a block on one CPU thread (measured), so about half a "
+                    "day for the model on a CPU"),
         Preset("ias", "SULQ softmax, per-channel post-LN folded (mean); optional block reconstruction (the released "
                "code always reconstructs; not compared side by side)",
                {"post_ln": _LN_PC, "post_softmax": ("sulq", {})},

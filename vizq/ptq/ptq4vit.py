@@ -334,9 +334,9 @@ def _search_linear(l: Layer, cap: Captured, w: Tensor, bias: Tensor | None, wq: 
         elif step.numel() != 1:
             raise InputError(f"the ptq4vit preset searches {l.name}'s weight in {step.numel()} parts; "
                              "give it granularity='out_channel'")
-        _set(wq, w, {"scale": step})
+        set_state(wq, w, {"scale": step})
     if a_search:
-        _set(aq, x, {"scale": a_step.reshape(1), **({"neg_scale": neg.reshape(1)} if gelu else {})})
+        set_state(aq, x, {"scale": a_step.reshape(1), **({"neg_scale": neg.reshape(1)} if gelu else {})})
 
 
 def _gelu(x: Tensor, step: Tensor, neg: Tensor, q: int) -> Tensor:
@@ -425,11 +425,11 @@ def _search_matmul(l: Layer, cap: Captured, aq: Quantizer | None, bq: Quantizer 
         if b_search:
             b_step = b_cands[per_head(operand_scores(False)).argmax(0), every_head]
     if sos:
-        _set(aq, A, {"split": split.reshape(1)})
+        set_state(aq, A, {"split": split.reshape(1)})
     elif a_search:
-        _set(aq, A, {"scale": _site_scale(aq, a_step)})
+        set_state(aq, A, {"scale": _site_scale(aq, a_step)})
     if b_search:
-        _set(bq, B, {"scale": _site_scale(bq, b_step)})
+        set_state(bq, B, {"scale": _site_scale(bq, b_step)})
 
 
 def _site_scale(q: Quantizer, per_head: Tensor) -> Tensor:
@@ -448,7 +448,7 @@ def _operand_fq(q: Quantizer, t: Tensor, l: Layer, first: bool) -> Tensor:
     return q.fake_quant(t)
 
 
-def _set(q: Quantizer, x: Tensor, state: dict[str, Tensor]) -> None:
+def set_state(q: Quantizer, x: Tensor, state: dict[str, Tensor]) -> None:
     """Store searched parameters as the quantizer's calibrated state (axis from the tensor it
     quantizes, as its own ``calibrate`` would set it)."""
     q.axis = q._axis_for(x)
@@ -456,21 +456,29 @@ def _set(q: Quantizer, x: Tensor, state: dict[str, Tensor]) -> None:
 
 
 # ------------------------------------------------------------------ the procedure
+def float_image_batch(qm: Any, images: Tensor | list[Tensor], preset: str) -> Tensor:
+    """The calibration images as one batch, and ``qm``'s network back to its float weights
+    (whatever an earlier calibration left in it): what a per-layer released-code procedure
+    reads. Text batches are refused by name."""
+    if isinstance(images, list):
+        if len({tuple(t.shape[1:]) for t in images}) != 1:
+            raise InputError(f"the {preset} preset calibrates image models (one batch of equal-size images)")
+        images = torch.cat(images)
+    if images.dim() != 4:
+        raise InputError(f"the {preset} preset calibrates image models (a batch of images)")
+    with torch.no_grad():
+        for path, w in qm.fp_weights.items():
+            qm.model.get_submodule(path).weight.data.copy_(w)
+    return images
+
+
 def calibrate(qm: Any, images: Tensor | list[Tensor], metric: Metric = Metric.HESSIAN,
               progress: Progress | None = None, cancel: Callable[[], bool] | None = None) -> None:
     """Calibrate every quantizer of ``qm`` (a fresh :class:`~vizq.ptq.engine.QuantizedModel`
     whose weights are still float) as PTQ4ViT's released code does, then fake-quantize the
     weights. Progress counts quantizers (activation sites and weights)."""
-    if isinstance(images, list):
-        if len({tuple(t.shape[1:]) for t in images}) != 1:
-            raise InputError("the ptq4vit preset calibrates image models (one batch of equal-size images)")
-        images = torch.cat(images)
-    if images.dim() != 4:
-        raise InputError("the ptq4vit preset calibrates image models (a batch of images)")
+    images = float_image_batch(qm, images, "ptq4vit")
     model = qm.model
-    with torch.no_grad():  # the float network, whatever an earlier calibration left in it
-        for path, w in qm.fp_weights.items():
-            model.get_submodule(path).weight.data.copy_(w)
     all_layers = layers(qm)
     total = len(qm.acts) + len(qm.weights)
     done = 0
