@@ -74,10 +74,11 @@ def test_candidate_grid_spans_the_quantile_ranges():
 TINY = ("random:vit_tiny_patch16_224", {"img_size": 32, "patch_size": 8, "embed_dim": 48, "depth": 2, "num_heads": 3})
 
 
-def test_whole_procedure_on_a_tiny_vit():
+def test_whole_procedure_on_a_tiny_vit(tmp_path):
     """calibrate() end to end (a whole model takes minutes on a CPU even at the digits model's
     size: 128 candidates × 6 passes × 3 rounds a layer): every quantizer calibrated, weights
-    fake-quantized, the original model untouched, no hooks left. (On random weights AdaLog's
+    fake-quantized, the export reloads bit for bit (the released table survives), the original
+    model untouched, no hooks left. (On random weights AdaLog's
     log softmax is no better than min/max, so only the size of the error is bounded here; the
     real model is compared with the released code in the README.)"""
     from vizq.models import load_model
@@ -96,6 +97,13 @@ def test_whole_procedure_on_a_tiny_vit():
         ref, out = m.model(x), qm(x)
     assert torch.isfinite(out).all() and not torch.equal(out, ref)
     assert float((out - ref).norm() / ref.norm()) < 0.5
+    from vizq.ptq.export import export, load_export
+
+    export(qm, tmp_path / "e", ["x"])
+    back = load_export(tmp_path / "e", m)
+    with torch.no_grad():
+        assert torch.equal(back(x), out)
+    back.remove_hooks()
     assert all(torch.equal(v, orig[k]) for k, v in m.model.state_dict().items())
     qm.remove_hooks()
     assert hook_count(m.model) == 0
