@@ -79,7 +79,11 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
         iters = kept(r1.number_input, "Steps per block (0: off)", f"{prefix}-recon", 0, min_value=0, max_value=20000,
                      step=100)
         rbatch = kept(r2.number_input, "Samples per step (0: all)", f"{prefix}-rbatch", 0, min_value=0, max_value=1024,
-                      help="a seeded random draw from the calibration samples at every step")
+                      help="a seeded random draw from the calibration samples at every step. Measured on "
+                           "ViT-Ti W4A4 (README): 8 a step at 200 steps costs about a quarter of the "
+                           "arithmetic and moved top-1 by +2.1 and -0.6 points against all samples on two "
+                           "calibration sets; 4x the steps at 8 overfits 32 images and falls below no "
+                           "reconstruction")
         scales = kept(r3.checkbox, "Learn activation scales (LSQ)", f"{prefix}-rscales", False, disabled=not iters,
                       help="the uniform activation quantizers' scales are trained with the rounding, as BRECQ and "
                            "QDrop do")
