@@ -146,3 +146,19 @@ def test_the_range_choice_at_the_massive_site_depends_on_the_error_measured(vit,
     assert keep["mse"] < clip["mse"] and keep["output_mse"] < clip["output_mse"]
     assert clip["output_rel_per_token"] * 5 < keep["output_rel_per_token"]
     assert keep["ordinary_to_zero_pct"] > 95 and clip["massive_clipped"] > 0
+
+
+@needs_images
+def test_token_loss_takes_the_massive_tokens_weight_off_a_late_block_output(vit, photos):
+    """From block 7 on, a few tokens carry most of the residual stream's energy, so plain MSE
+    reconstruction is spent on them; the token loss weighs them down to ordinary tokens' level."""
+    from vizq.ptq.recon import _token_weights
+
+    out = _tensor(vit, photos, "blocks.8")  # [8, 197, 192], the float output of block 8
+    energy = out.pow(2).sum(-1)  # per token
+    top = energy.flatten().topk(2 * out.shape[0]).indices  # two tokens an image
+    assert float(energy.flatten()[top].sum() / energy.sum()) > 0.4  # they dominate plain MSE
+    w = _token_weights(out).squeeze(-1)
+    assert float(w.flatten()[top].max()) < 0.01 and 0.5 < float(w.median()) < 2
+    weighted = energy * w
+    assert float(weighted.flatten()[top].sum() / weighted.sum()) < 0.05  # equal-error share: each token ~1/197

@@ -180,3 +180,47 @@ def test_minibatches_are_seeded_draws_without_replacement():
     assert any(not torch.equal(xi, xk) for (xi, _), (xk, _) in zip(a, c))
     whole = _minibatches([x], [x], 0, torch.Generator())
     assert torch.equal(whole(3)[0], x)
+
+
+def test_token_loss_is_mse_when_tokens_are_alike_and_discounts_a_massive_token():
+    from vizq.ptq.config import ReconLoss
+    from vizq.ptq.recon import block_loss
+
+    g = torch.Generator().manual_seed(0)
+    signs = torch.randint(0, 2, (2, 6, 8), generator=g) * 2.0 - 1  # every token's mean square is 1
+    err = torch.randn(2, 6, 8, generator=g)
+    assert torch.allclose(block_loss(signs + err, signs, ReconLoss.TOKEN), block_loss(signs + err, signs, ReconLoss.MSE))
+    massive = signs.clone()
+    massive[:, 0] *= 100  # token 0 is 10⁴ times the others in mean square
+    on_massive = torch.zeros_like(err)
+    on_massive[:, 0] = 1.0
+    on_ordinary = torch.zeros_like(err)
+    on_ordinary[:, 1] = 1.0
+    mse = [float(block_loss(massive + e, massive, ReconLoss.MSE)) for e in (on_massive, on_ordinary)]
+    tok = [float(block_loss(massive + e, massive, ReconLoss.TOKEN)) for e in (on_massive, on_ordinary)]
+    assert mse[0] == mse[1]  # MSE: the same error counts the same wherever it is
+    assert tok[0] == pytest.approx(1e-4 * tok[1]) and tok[1] == pytest.approx(mse[1])
+
+
+def test_token_loss_reconstruction_lowers_the_error_on_images_it_never_saw(bundled, pair):
+    from vizq.ptq.config import ReconLoss
+
+    rec = calibrate(bundled, QuantConfig(**CFG, recon_iters=30, recon_loss=ReconLoss.TOKEN)).qmodel
+    x = held_out(bundled)
+    with torch.no_grad():
+        fp = bundled.model(x).log_softmax(-1)
+        kl = [float((fp.exp() * (fp - q(x).log_softmax(-1))).sum(-1).mean()) for q in (pair[0], rec)]
+    assert kl[1] < kl[0], kl
+    assert rec.config.to_dict()["recon_loss"] == "token"
+    rec.remove_hooks()
+
+
+def test_recon_loss_is_checked_and_needs_reconstruction():
+    from vizq.ptq.config import ConfigError, ReconLoss
+
+    with pytest.raises(ConfigError, match="recon_iters"):
+        QuantConfig(**CFG, recon_loss=ReconLoss.TOKEN)
+    cfg = QuantConfig(**CFG, recon_iters=5, recon_loss="token")  # text from a file or the CLI becomes the type
+    for text in (cfg.to_yaml(), cfg.to_json()):
+        back = QuantConfig.from_text(text)
+        assert back.recon_loss is ReconLoss.TOKEN and back == cfg

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,19 @@ from ..sites import KINDS
 #: ``ptq4vit-mse``. Older files still load: :func:`migrate` renames what changed.
 CONFIG_VERSION = 3
 GPTQ_DAMP = 0.01  # QuantConfig.gptq_damp's default, GPTQ's released percdamp (ptq/gptq.py: DAMP)
+
+
+class ReconLoss(str, Enum):
+    """What block reconstruction minimises (ptq/recon.py: ``block_loss``).
+
+    MSE is BRECQ's and QDrop's loss. TOKEN weighs each token's squared error by the inverse of
+    that token's mean square in the float output: from block 7 of ViT-Ti on, 0.1 % of the
+    residual values (massive activations near 575) carry over 90 % of the output's energy, so
+    plain MSE spends the whole reconstruction on a few values that the next LayerNorm divides
+    away, and ordinary tokens barely count (README: the measured effect)."""
+
+    MSE = "mse"
+    TOKEN = "token"
 #: A configuration is a few kilobytes; anything far larger is a mistake (or hostile) and would
 #: take minutes to parse and validate, so it is refused before parsing.
 MAX_CONFIG_BYTES = 1 << 20
@@ -101,6 +115,7 @@ class QuantConfig:
     recon_iters: int = 0
     recon_scales: bool = False  # reconstruction also learns uniform activation scales (LSQ)
     recon_batch: int = 0  # samples per reconstruction step, drawn at random; 0: every calibration sample
+    recon_loss: ReconLoss = ReconLoss.MSE  # what reconstruction minimises (ReconLoss)
     gptq: bool = False  # weights rounded with GPTQ's error compensation on the float calibration inputs (ptq/gptq.py)
     gptq_act_order: bool = False  # with gptq: columns rounded by decreasing input energy (GPTQ's act order)
     gptaq: bool = False  # with gptq: GPTAQ's asymmetric target, the float layer on the float inputs (ptq/gptq.py)
@@ -115,6 +130,12 @@ class QuantConfig:
             if unknown:
                 raise ConfigError(f"unknown key(s) calibration.{sorted(unknown)[0]}; allowed: images, seed, batch_size")
             self.calibration = CalibrationConfig(**self.calibration)
+        if isinstance(self.recon_loss, str) and not isinstance(self.recon_loss, ReconLoss):
+            try:
+                self.recon_loss = ReconLoss(self.recon_loss)
+            except ValueError:
+                raise ConfigError(f"recon_loss must be one of {', '.join(r.value for r in ReconLoss)}, "
+                                  f"got {self.recon_loss!r}") from None
         if type(self.gptq_damp) is int:  # a YAML/JSON 1 means 1.0; stored as what the engine uses
             self.gptq_damp = float(self.gptq_damp)
         self.validate()
@@ -140,6 +161,10 @@ class QuantConfig:
             raise ConfigError(f"recon_batch must be a non-negative integer (0: every calibration sample), got {self.recon_batch!r}")
         if not isinstance(self.recon_scales, bool):
             raise ConfigError(f"recon_scales must be true or false, got {self.recon_scales!r}")
+        if not isinstance(self.recon_loss, ReconLoss):
+            raise ConfigError(f"recon_loss must be one of {', '.join(r.value for r in ReconLoss)}, got {self.recon_loss!r}")
+        if self.recon_loss is not ReconLoss.MSE and not self.recon_iters:
+            raise ConfigError("recon_loss chooses what block reconstruction minimises; set recon_iters > 0 too")
         if self.recon_scales and not self.recon_iters:
             raise ConfigError("recon_scales learns activation scales during reconstruction; set recon_iters > 0 too")
         if not isinstance(self.gptq, bool):
@@ -176,7 +201,9 @@ class QuantConfig:
 
     # ---------------------------------------------------------------- (de)serialisation
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["recon_loss"] = self.recon_loss.value  # plain text, so YAML's safe dumper and old readers take it
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "QuantConfig":
@@ -254,6 +281,8 @@ def options_label(config: dict[str, Any] | None) -> str:
             parts.append("LSQ")
         if config.get("recon_batch"):
             parts.append(f"batch {config['recon_batch']}")
+        if config.get("recon_loss", ReconLoss.MSE.value) != ReconLoss.MSE.value:
+            parts.append(f"{config['recon_loss']} loss")
     return " · ".join(parts)
 
 

@@ -281,7 +281,7 @@ class QuantizedModel(nn.Module):
             self.recon_modules = reconstruct(self, self._fp[0], batches if len(batches) > 1 else batches[0],
                                              self.config.recon_iters, progress=recon_progress or progress,
                                              cancel=cancel, learn_scales=self.config.recon_scales,
-                                             batch=self.config.recon_batch)
+                                             batch=self.config.recon_batch, loss=self.config.recon_loss)
         for aq in self.acts.values():
             aq._last = (None, None)
         self.calibrated = True

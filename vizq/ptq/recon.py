@@ -23,6 +23,7 @@ from torch import nn
 
 from ..capture import Cancelled
 from ..quant import Quantizer
+from .config import ReconLoss
 
 Progress = Callable[[int, int, str], None]
 
@@ -157,6 +158,25 @@ def _block_tensors(model: nn.Module, path: str, x: torch.Tensor | list[torch.Ten
     return seen
 
 
+def _token_weights(target: torch.Tensor) -> torch.Tensor:
+    """Per-token weights for ``ReconLoss.TOKEN``: the median token mean square over each token's
+    own, from the float output. Dividing by a token's mean square is what the next LayerNorm
+    does (up to the mean), so an error counts by how much it moves what the consumers see; the
+    median keeps ordinary tokens' weights near 1, so the loss stays on the scale REG_WEIGHT
+    was set for. Massive-activation tokens (mean square ~10⁴× the median) get weights ~10⁻⁴."""
+    ms = target.detach().pow(2).mean(-1, keepdim=True).clamp_min(1e-12)
+    return ms.median() / ms
+
+
+def block_loss(out: torch.Tensor, target: torch.Tensor, kind: ReconLoss) -> torch.Tensor:
+    """The reconstruction loss: squared error summed over each sample's values (per-token
+    weighted for TOKEN), averaged over samples."""
+    err = (out - target).pow(2)
+    if kind is ReconLoss.TOKEN and err.dim() >= 3:  # [batch, tokens, channels]; others stay plain
+        err = err * _token_weights(target)
+    return err.flatten(1).sum(1).mean()
+
+
 def _beta(it: int, iters: int) -> float | None:
     """The regulariser's exponent at step ``it``; None during the warm-up (no regulariser)."""
     start = WARMUP * iters
@@ -183,7 +203,7 @@ def _minibatches(inputs: list[torch.Tensor], targets: list[torch.Tensor], batch:
 
 def _train_block(qm: Any, path: str, rounding: dict[str, LearnedRounding], scales: dict[str, LearnedScale],
                  inputs: list[torch.Tensor], targets: list[torch.Tensor], iters: int,
-                 tick: Callable[[int], None], batch: int = 0) -> None:
+                 tick: Callable[[int], None], batch: int = 0, kind: ReconLoss = ReconLoss.MSE) -> None:
     block = qm.model.get_submodule(path)
     opt = torch.optim.Adam([r.v for r in rounding.values()], lr=LR)
     opt_s = torch.optim.Adam([ls.t for ls in scales.values()], lr=LR_SCALE) if scales else None
@@ -201,8 +221,7 @@ def _train_block(qm: Any, path: str, rounding: dict[str, LearnedRounding], scale
                 subs = {f"{p[len(path) + 1:]}.weight": r.weight() for p, r in rounding.items()}
                 out = torch.func.functional_call(block, subs, (x,))
                 out = out[0] if isinstance(out, tuple) else out
-                # summed over each sample's values, averaged over samples: the scale REG_WEIGHT is set for
-                loss = (out - target).pow(2).flatten(1).sum(1).mean()
+                loss = block_loss(out, target, kind)
                 beta = _beta(it, iters)
                 if beta is not None:
                     loss = loss + REG_WEIGHT * sum(r.regulariser(beta) for r in rounding.values())
@@ -220,10 +239,11 @@ def _train_block(qm: Any, path: str, rounding: dict[str, LearnedRounding], scale
 
 def reconstruct(qm: Any, fp_model: nn.Module, calib: torch.Tensor | list[torch.Tensor], iters: int,
                 progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
-                learn_scales: bool = False, batch: int = 0) -> list[str]:
+                learn_scales: bool = False, batch: int = 0, loss: ReconLoss = ReconLoss.MSE) -> list[str]:
     """Re-round every block's weights in network order; returns the Linear modules changed.
     With ``learn_scales`` the block's uniform activation scales are trained too (their new
-    values are the calibrated state afterwards, so exports carry them).
+    values are the calibrated state afterwards, so exports carry them); ``loss`` is what each
+    block minimises (``ReconLoss``).
 
     Progress counts steps over all blocks; cancelling stops at the next step and nothing of the
     calibration is kept by the caller."""
@@ -252,7 +272,7 @@ def reconstruct(qm: Any, fp_model: nn.Module, calib: torch.Tensor | list[torch.T
         if learn_scales:
             scales = {s.name: LearnedScale(qm.acts[s.name].q) for s in qm.sites
                       if s.name in qm.acts and s.module.startswith(path + ".") and qm.acts[s.name].q.name in ACT_SCALES}
-        _train_block(qm, path, rounding, scales, inputs, targets, iters, tick, batch)
+        _train_block(qm, path, rounding, scales, inputs, targets, iters, tick, batch, loss)
         for name, ls in scales.items():
             ls.commit()
             aq = qm.acts[name]
