@@ -92,7 +92,8 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
                      help="mse: BRECQ's and QDrop's summed squared error on the block's output. token: each token's "
                           "error divided by that token's float mean square, so the few massive-activation tokens "
                           "(over 90 % of the residual's energy from block 7 of ViT-Ti on) do not outweigh every "
-                          "ordinary token; measured effect in the README")
+                          "ordinary token. Measured on ViT-Ti W4A4 after GPTAQ (README): no effect beyond float-order "
+                          "noise, five-set mean 66.32 % against 66.41 % with mse")
     return QuantConfig(preset=method, wbits=int(wbits), abits=int(abits), overrides=overrides,
                        recon_iters=int(iters), recon_scales=bool(scales and iters), recon_batch=int(rbatch),
                        recon_loss=ReconLoss(rloss) if iters else ReconLoss.MSE, gptq=bool(gptq and gptq_ok),
