@@ -268,6 +268,7 @@ def test_bugs_are_not_shown_as_user_errors(monkeypatch):
     ('{"method": "minmax", "recon_iters": 10, "recon_scales": "yes"}', "recon_scales"),
     ('{"method": "minmax", "recon_iters": 10, "recon_loss": "l1"}', "recon_loss"),
     ('{"method": "minmax", "recon_iters": 10, "recon_loss": 2}', "recon_loss"),
+    ('{"method": "minmax", "recon_iters": 10, "recon_loss": ["token"]}', "recon_loss"),
 ])
 def test_config_types_are_checked_by_key(text, key):
     with pytest.raises(ConfigError, match=key):

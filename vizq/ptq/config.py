@@ -130,12 +130,8 @@ class QuantConfig:
             if unknown:
                 raise ConfigError(f"unknown key(s) calibration.{sorted(unknown)[0]}; allowed: images, seed, batch_size")
             self.calibration = CalibrationConfig(**self.calibration)
-        if isinstance(self.recon_loss, str) and not isinstance(self.recon_loss, ReconLoss):
-            try:
-                self.recon_loss = ReconLoss(self.recon_loss)
-            except ValueError:
-                raise ConfigError(f"recon_loss must be one of {', '.join(r.value for r in ReconLoss)}, "
-                                  f"got {self.recon_loss!r}") from None
+        if isinstance(self.recon_loss, str) and self.recon_loss in {r.value for r in ReconLoss}:  # text from a file or the CLI; anything else: validate()
+            self.recon_loss = ReconLoss(self.recon_loss)
         if type(self.gptq_damp) is int:  # a YAML/JSON 1 means 1.0; stored as what the engine uses
             self.gptq_damp = float(self.gptq_damp)
         self.validate()
