@@ -185,6 +185,9 @@ def _ptq_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gptq-damp", type=float, default=None, metavar="F",
                    help="with --gptq: damping added to the Gram matrix's diagonal, F times its mean (GPTQ's percdamp; "
                         "default 0.01, GPTQ's; GPTAQ's ViT script runs 0.1)")
+    p.add_argument("--ias-iters", type=nonnegative("--ias-iters"), default=0,
+                   help="with --preset ias-released: Adam steps per block in each of its two reconstructions "
+                        "(0: the released code's, 1,000; 200 at W6A6)")
     p.add_argument("--override", action="append", default=[],
                    help="SITE_GLOB_OR_KIND=QUANTIZER[:bits=N][:key=value] (repeatable)")
 
@@ -200,7 +203,7 @@ def config_from_args(a: argparse.Namespace):  # noqa: ANN201
     return QuantConfig(preset=a.preset, wbits=a.wbits, abits=a.abits, overrides=overrides_from_rules(a.override),
                        recon_iters=a.recon_iters, recon_scales=a.recon_scales, recon_batch=a.recon_batch,
                        recon_loss=a.recon_loss, gptq=a.gptq,
-                       gptq_act_order=a.gptq_act_order, gptaq=a.gptaq,
+                       gptq_act_order=a.gptq_act_order, gptaq=a.gptaq, ias_iters=a.ias_iters,
                        **({} if a.gptq_damp is None else {"gptq_damp": a.gptq_damp}),
                        calibration={"images": a.calib, "seed": a.seed, "batch_size": a.batch_size})
 

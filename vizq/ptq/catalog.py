@@ -21,6 +21,7 @@ class Procedure(str, Enum):
     SEQUENTIAL = "sequential"  # RepQ-ViT's pass: network order, quantized upstream, then the fold
     PTQ4VIT = "ptq4vit"  # PTQ4ViT's released code: per layer on float inputs, output-scored (ptq4vit.py)
     ADALOG = "adalog"  # AdaLog's released code: per layer on float inputs, FPCS range/zero-point searches (adalog.py)
+    IAS = "ias"  # I&S-ViT's released code: ranges on float weights, two block-reconstruction stages around the fold (ias.py)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,18 @@ PRESETS: dict[str, Preset] = {
                "code always reconstructs; not compared side by side)",
                {"post_ln": _LN_PC, "post_softmax": ("sulq", {})},
                ("uniform", _PCT), _W_PC, reparam="mean", paper="I&S-ViT", patch_input=("uniform", _PCT)),
+        Preset("ias-released", "I&S-ViT as its released code does it: activation ranges first (weights float), then "
+               "each block's float weights and biases trained on its output (Adam, activations quantized), the "
+               "post-LN fold (mean scale, unrounded mean zero point), weight rows searched over nine quantiles, "
+               "and the same training again through the weight rounding; the code's SULQ softmax (integer "
+               "exponents); patch-embedding input float",
+               {"post_ln": _LN_PC, "post_softmax": ("sulq_released", {"signed": False})},
+               ("uniform", _PCT), ("uniform", {"granularity": "out_channel", "method": "percentile_wide"}),
+               reparam="mean", paper="I&S-ViT (TPAMI'25)", patch_input=None, procedure=Procedure.IAS,
+               modalities=("image",),
+               cost="slow by design: two reconstructions of every block, 1,000 Adam steps each at W4A4 (200 at "
+                    "W6A6), as the released code runs them; ViT-Ti with 32 calibration images takes about an hour "
+                    "and a half on 2 CPU cores (--ias-iters sets fewer steps)"),
         Preset("fp8", "FP8 E4M3 activations (per-tensor scale) and weights (per-channel scale)", {},
                ("fp8_e4m3", {}), ("fp8_e4m3", {"granularity": "out_channel"}), fixed_format=True),
         Preset("mxfp4", "OCP MXFP4 (32-value E2M1 blocks, power-of-two scales) everywhere", {},

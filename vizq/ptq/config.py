@@ -122,6 +122,9 @@ class QuantConfig:
     #: with gptq: λ = gptq_damp · mean(diag XᵀX) added to the Gram before inverting it (GPTQ's percdamp;
     #: GPTAQ's ViT script runs 0.1)
     gptq_damp: float = GPTQ_DAMP
+    #: ias-released: Adam steps per block in each of its two reconstructions (0: the released
+    #: code's own, 1,000, or 200 at W6A6)
+    ias_iters: int = 0
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -184,6 +187,15 @@ class QuantConfig:
         if self.gptq and PRESETS[self.preset].fixed_format:
             raise ConfigError(f"gptq compensates rounding on a uniform integer grid; preset {self.preset!r} "
                               "quantizes weights in a float or block format (use an integer preset, or drop gptq)")
+        if not isinstance(self.ias_iters, int) or isinstance(self.ias_iters, bool) or self.ias_iters < 0:
+            raise ConfigError(f"ias_iters must be a non-negative integer (0: the released code's steps), got {self.ias_iters!r}")
+        is_ias = PRESETS[self.preset].procedure is Procedure.IAS
+        if self.ias_iters and not is_ias:
+            raise ConfigError(f"ias_iters sets the steps of ias-released's own reconstructions; preset {self.preset!r} "
+                              "has none (use recon_iters for block reconstruction)")
+        if is_ias and self.recon_iters:
+            raise ConfigError("ias-released runs its own two reconstructions; recon_iters would add a third "
+                              "(set ias_iters for their steps, or drop recon_iters)")
         if not isinstance(self.overrides, dict):
             raise ConfigError("overrides must be a mapping of site glob or kind to settings")
         self.rules()  # every override parses into a typed Rule, or the error names it
@@ -279,6 +291,8 @@ def options_label(config: dict[str, Any] | None) -> str:
             parts.append(f"batch {config['recon_batch']}")
         if config.get("recon_loss", ReconLoss.MSE.value) != ReconLoss.MSE.value:
             parts.append(f"{config['recon_loss']} loss")
+    if config.get("ias_iters"):
+        parts.append(f"{config['ias_iters']} steps a block")
     return " · ".join(parts)
 
 

@@ -190,8 +190,10 @@ class QuantizedModel(nn.Module):
             self._tick(site.name)
         elif self.ste:
             learn = self.trainable.get(site.name)
-            if learn is not None:  # learned scale: differentiable in it, straight-through in x
+            if learn is not None:  # learned scale, or a procedure's own differentiable quantizer
                 out = learn(aq.folded(x))
+                if not self.drop:  # nothing to mix in: the function's own value and gradient, bit for bit
+                    return out
             else:
                 with torch.no_grad():  # the rounding is a constant to autograd (straight-through)
                     out = aq(x)
@@ -272,6 +274,10 @@ class QuantizedModel(nn.Module):
             self._calibrate_ptq4vit(images, progress, cancel)
         elif procedure is Procedure.ADALOG:
             self._calibrate_adalog(images, progress, cancel)
+        elif procedure is Procedure.IAS:
+            from . import ias
+
+            self.recon_modules = ias.calibrate(self, images, progress=recon_progress or progress, cancel=cancel)
         else:
             self._calibrate_sequential(batches, progress, cancel)
         self._stash.clear()

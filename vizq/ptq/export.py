@@ -61,6 +61,10 @@ def _changed_params(qm: QuantizedModel) -> dict[str, torch.Tensor]:
             out[f"{c}.bias"] = qm.model.get_submodule(c).bias.detach().clone()
     for path in dict.fromkeys(qm.compensated + qm.recon_modules):  # weights GPTQ or reconstruction changed
         out[f"{path}.weight"] = qm.fp_weights[path].clone()
+    for path in qm.recon_modules:  # ias-released trains biases too (AdaRound leaves them: the same values again)
+        bias = getattr(qm.model.get_submodule(path), "bias", None)
+        if bias is not None:
+            out[f"{path}.bias"] = bias.detach().clone()
     return out
 
 

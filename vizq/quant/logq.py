@@ -8,6 +8,8 @@ same quantizers can be compared on any site.
 - ``logsqrt2`` (RepQ-ViT): levels s·2^(-c/2), computed as a shift plus a √2 factor on odd codes.
 - ``adalog`` (AdaLog): base 2^(q/37) with integer q searched; shift + fixed-point table dequant.
 - ``sulq`` (I&S-ViT): shift by η, uniform in log2(a + η); η searched. Level 0 is exactly 0.
+- ``sulq_released`` (I&S-ViT's released code): shift by b, uniform in log2(a + b) over the data's
+  log range, then rounded to an integer exponent: levels 2^k − b. b searched over 11 values.
 - ``tanq`` (DopQ-ViT): a tan-companding grid; our reading of the paper (see docs below).
 """
 from __future__ import annotations
@@ -279,6 +281,64 @@ class SULQQuantizer(MagnitudeQuantizer):
 
     def _mag_levels(self, p: dict[str, Tensor]) -> Tensor:
         return self._table(p)
+
+
+SULQ_RELEASED_SHIFTS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+def _log2_released(x: Tensor) -> Tensor:
+    """log2 the way the released code takes it, ln(x) / ln(2) in float32 (not torch.log2:
+    the two differ in the last bit for some x, which moves a rounding boundary)."""
+    return torch.log(x) / torch.log(torch.tensor(2, dtype=x.dtype))
+
+
+@register
+class SULQReleasedQuantizer(MagnitudeQuantizer):
+    """SULQ as I&S-ViT's released code computes it (``LogSqrt2Quantizer`` in zysxmu/IaS-ViT),
+    which is not the paper's formula (``sulq``): the shift b (absolute, one of 11 values) is
+    chosen by MSE with 2^bits codes over [min, max] of log2(a + b); the forward then divides that
+    log range into 2^bits steps and clamps to 2^bits + 1 codes (the code's own mismatch,
+    kept), and every code's log value is rounded to an integer exponent, so the levels are
+    2^k − b. Kept bit for bit because a preset named after the released code must give its
+    numbers (``ias-released``; checked side by side, README)."""
+
+    name = "sulq_released"
+    description = "SULQ as I&S-ViT's released code computes it: shifted log2, integer exponents"
+
+    def _fit_mag(self, a: Tensor, amax: Tensor) -> dict[str, Tensor]:
+        n = self.n_codes
+        best: dict[str, Tensor] | None = None
+        best_err = torch.full((a.shape[0],), 1e10, device=a.device)
+        for b in SULQ_RELEASED_SHIFTS:  # the code's loop: strictly better wins, ties keep the first
+            y = _log2_released(a + b)
+            hi, lo = y.max(1, keepdim=True).values, y.min(1, keepdim=True).values
+            step = (hi - lo) / (n - 1)
+            c = torch.round((y - lo) / step).clamp(0, n - 1)
+            xq = 2 ** torch.round(c * step + lo) - b
+            err = (a - xq).abs().pow(2).mean(1)  # the code's lp_loss(x, x_q, reduction='all')
+            better = err < best_err
+            cand = {"shift": torch.full_like(err, b), "lo": lo[:, 0], "hi": hi[:, 0]}
+            best = cand if best is None else {k: torch.where(better, cand[k], v) for k, v in best.items()}
+            best_err = torch.where(better, err, best_err)
+        return best
+
+    def _mag(self, a: Tensor, p: dict[str, Tensor]) -> Tensor:
+        return sulq_released(a, p["shift"], p["lo"], p["hi"], self.n_codes, round_=torch.round)
+
+    def _mag_levels(self, p: dict[str, Tensor]) -> Tensor:
+        n = self.n_codes
+        c = torch.arange(n + 1, dtype=torch.float32, device=p["shift"].device)[None]
+        step = ((p["hi"] - p["lo"]) / n)[:, None]
+        return torch.sort(2 ** torch.round(c * step + p["lo"][:, None]) - p["shift"][:, None], 1).values
+
+
+def sulq_released(a: Tensor, shift: Tensor, lo: Tensor, hi: Tensor, n: int, round_=torch.round) -> Tensor:
+    """The released forward, op for op; ``round_`` is plain rounding, or a straight-through
+    rounding where a procedure trains through it (``ptq/ias.py``: the same ops, the same bits)."""
+    y = _log2_released(a + shift)
+    step = (hi - lo) / n
+    c = torch.clamp(round_((y - lo) / step), 0, n)
+    return 2 ** round_(c * step + lo) - shift
 
 
 # ---------------------------------------------------------------- TanQ

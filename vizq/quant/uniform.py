@@ -3,7 +3,8 @@
 ``method``: ``minmax`` (the naive baseline), ``percentile`` (RepQ-ViT: the 0.999 / 0.9999 /
 0.99999 quantile pair with the lowest MSE, exactly as its code does: ``torch.quantile`` of the
 whole group, MSE over the whole group, first candidate wins ties), ``mse`` (one clip ratio for
-both ends, grid search), ``omse`` (independent lower and upper clip ratios, 2-D grid search).
+both ends, grid search), ``omse`` (independent lower and upper clip ratios, 2-D grid search), ``percentile_wide`` (I&S-ViT's
+released weight search: the same rule over nine quantiles from 0.97 to 0.99999).
 
 Fake quantization is the reference formula ``(clamp(round(x / s) + z, 0, qmax) - z) * s``,
 not torch's fused kernel (which multiplies by 1/s and so rounds a few values differently).
@@ -18,6 +19,8 @@ from .base import Quantizer, Tensor, grid_search, quantiles
 from .registry import register
 
 PERCENTILES = (0.999, 0.9999, 0.99999)
+#: I&S-ViT's released code searches weights over these (activations over PERCENTILES)
+WIDE_PERCENTILES = (0.97, 0.98, 0.99, 0.995, 0.9995, 0.9997, 0.9999, 0.99995, 0.99999)
 MSE_RATIOS = torch.linspace(0.2, 1.0, 41)
 OMSE_RATIOS = torch.linspace(0.3, 1.0, 15)
 
@@ -55,11 +58,14 @@ def quantile_pairs(g: Tensor, probs: tuple[float, ...]) -> tuple[Tensor, Tensor]
     return q[len(probs):], q[: len(probs)]
 
 
+_QUANTILE_SETS = {"percentile": PERCENTILES, "percentile_wide": WIDE_PERCENTILES}
+
+
 class _UniformBase(Quantizer):
     family: ClassVar[str] = "uniform"
     bit_range = (2, 16)
     defaults = {"granularity": "tensor", "method": "minmax"}
-    choices = {"method": ("minmax", "percentile", "mse", "omse")}
+    choices = {"method": ("minmax", "percentile", "percentile_wide", "mse", "omse")}
 
     def _range_candidates(self, g: Tensor) -> tuple[Tensor, Tensor]:
         """[K, G] candidate (lo, hi) pairs for the chosen method."""
@@ -67,8 +73,8 @@ class _UniformBase(Quantizer):
         method = self.options["method"]
         if method == "minmax":
             return lo[None], hi[None]
-        if method == "percentile":
-            return quantile_pairs(g, PERCENTILES)
+        if method in _QUANTILE_SETS:
+            return quantile_pairs(g, _QUANTILE_SETS[method])
         if method == "mse":
             r = MSE_RATIOS.to(g.device)[:, None]
             return r * lo[None], r * hi[None]
@@ -93,7 +99,7 @@ class UniformQuantizer(_UniformBase):
         s, z = asym_params(lo, hi, self.qmax)
         if s.shape[0] == 1:
             return {"scale": s[0], "zero_point": z[0]}
-        exact = self.options["method"] == "percentile"  # three candidates: score them on everything
+        exact = self.options["method"] in _QUANTILE_SETS  # a few candidates: score them on everything
         return grid_search(g, {"scale": s, "zero_point": z},
                            lambda x, p: uniform_asym(x, p["scale"], p["zero_point"], self.qmax), score=self._score,
                            exact=exact)
@@ -124,7 +130,7 @@ class SymmetricUniformQuantizer(_UniformBase):
         if s.shape[0] == 1:
             return {"scale": s[0]}
         return grid_search(g, {"scale": s}, lambda x, p: uniform_sym(x, p["scale"], qmin, qmax), score=self._score,
-                           exact=self.options["method"] == "percentile")
+                           exact=self.options["method"] in _QUANTILE_SETS)
 
     def _apply(self, x: Tensor, p: dict[str, Tensor]) -> Tensor:
         return uniform_sym(x, p["scale"], *self.qrange)
