@@ -70,6 +70,13 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
                 step=0.01, format="%.3f", disabled=not (gptq and gptq_ok),
                 help="added to the diagonal of the calibration inputs' Gram matrix before it is inverted, as a "
                      "fraction of its mean (GPTQ's percdamp): 0.01 is GPTQ's default, 0.1 GPTAQ's ViT script's")
+    is_ias = PRESETS[method].procedure is Procedure.IAS
+    ias_iters = 0
+    if is_ias:  # its own two trainings replace the optional block reconstruction below
+        ias_iters = kept(st.columns([1, 2])[0].number_input, "I&S-ViT steps per block (0: the code's)",
+                         f"{prefix}-ias", 0, min_value=0, max_value=20000, step=100,
+                         help="Adam steps for each unit in each of the released code's two trainings; 0 runs "
+                              "its own: 1,000 (200 at W6A6), about 1.5 hours for ViT-Ti on 2 CPU cores")
     with st.expander("Block reconstruction (optional; slow: ~10 min for ViT-Ti at 200 steps on 2 CPU cores)"):
         st.caption("After calibration, re-round each block's integer weights (AdaRound with QDrop) so the block "
                    "reproduces the float block's output on the calibration images. On ViT-Ti with 32 images, "
@@ -77,7 +84,9 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
                    "third. Weights without an integer grid (FP, MX, log) keep their rounding.")
         r1, r2, r3 = st.columns(3)
         iters = kept(r1.number_input, "Steps per block (0: off)", f"{prefix}-recon", 0, min_value=0, max_value=20000,
-                     step=100)
+                     step=100, disabled=is_ias, help="not with ias-released, which trains every block itself"
+                     if is_ias else None)
+        iters = 0 if is_ias else iters
         rbatch = kept(r2.number_input, "Samples per step (0: all)", f"{prefix}-rbatch", 0, min_value=0, max_value=1024,
                       help="a seeded random draw from the calibration samples at every step. Measured on "
                            "ViT-Ti W4A4 (README): 8 a step at 200 steps costs about a quarter of the "
@@ -99,4 +108,5 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
                        recon_loss=ReconLoss(rloss) if iters else ReconLoss.MSE, gptq=bool(gptq and gptq_ok),
                        gptq_act_order=bool(act_order and gptq and gptq_ok), gptaq=bool(asym and gptq and gptq_ok),
                        gptq_damp=float(damp) if gptq and gptq_ok else GPTQ_DAMP,
+                       ias_iters=int(ias_iters),
                        calibration={"images": int(calib), "seed": int(seed), "batch_size": 32})
