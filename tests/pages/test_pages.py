@@ -156,6 +156,28 @@ def test_gptq_and_reconstruction_are_choices_on_evaluate_and_history_says_they_w
     assert list(table["options"]) == ["+gptaq act order damp 0.1 · +recon 20 · LSQ · token loss"]
 
 
+def test_ias_released_offers_its_steps_not_a_second_reconstruction(app):
+    """The faithful I&S-ViT preset: its cost is stated, its own steps are a choice, the optional
+    block reconstruction (which would add a third training) is disabled, and the run records
+    the steps it used."""
+    at = _goto(app, "pages/5_evaluate.py")
+    at.selectbox(key="cfg-method").set_value("ias-released").run()
+    assert any("1,000 Adam steps" in w.value for w in at.warning)
+    assert at.number_input(key="cfg-recon").disabled
+    at.number_input(key="cfg-ias").set_value(2).run()
+    at.number_input(key="cfg-calib").set_value(4).run()
+    at.number_input[-1].set_value(20)
+    next(b for b in at.button if b.label == "Run evaluation").click().run()
+    _wait(at, lambda a: any("agreement" in s.value for s in a.success) or bool(a.error))
+    assert not at.error, [e.value for e in at.error]
+    msg = next(s.value for s in at.success if "agreement" in s.value)
+    assert "2 steps a block" in msg, msg
+    from vizq.runs import load_history
+
+    cfg = load_history()[-1]["config"]
+    assert cfg["preset"] == "ias-released" and cfg["ias_iters"] == 2 and cfg["recon_iters"] == 0
+
+
 def _wait(at: AppTest, done, timeout: float = 120) -> AppTest:
     deadline = time.time() + timeout
     while time.time() < deadline and not done(at):
