@@ -16,7 +16,11 @@ ALL = list_quantizers()
 #: Quantizers built for one activation's range (PTQ4ViT's released forms): values outside it
 #: cannot be represented by design (the softmax grid spans [0, 1], the GELU grid's negative
 #: side stops at GELU's minimum).
-DOMAIN = {"ptq4vit_softmax": (0.0, 1.0), "ptq4vit_gelu": (-0.17, float("inf"))}
+DOMAIN = {
+    "ptq4vit_softmax": (0.0, 1.0),
+    "ptq4vit_gelu": (-0.17, float("inf")),
+    "sulq_released": (0.0, float("inf")),  # I&S-ViT's softmax quantizer: negatives clamp to 0
+}
 
 
 def _data() -> dict[str, torch.Tensor]:

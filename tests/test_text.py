@@ -125,7 +125,7 @@ def test_every_preset_runs(minilm, method):
 
 def test_image_only_presets_are_refused_before_any_work(minilm):
     image_only = sorted(set(PRESETS) - set(presets_for("text")))
-    assert image_only == ["adalog-released", "ptq4vit"]
+    assert image_only == ["adalog-released", "ias-released", "ptq4vit"]
     for preset in image_only:
         with pytest.raises(ConfigError, match="applies to image models, not text ones; use one of minmax, ptq4vit-mse"):
             QuantizedModel(minilm, QuantConfig(preset=preset, wbits=8, abits=8))

@@ -292,6 +292,13 @@ def _log2_released(x: Tensor) -> Tensor:
     return torch.log(x) / torch.log(torch.tensor(2, dtype=x.dtype))
 
 
+def _positive(width: Tensor) -> Tensor:
+    """A log range of zero width (a constant group) would make the released code divide by
+    zero and return NaN; any positive width then maps the single value to code 0, which is
+    what a constant needs. Nonzero widths pass through untouched, so real data is bit-exact."""
+    return torch.where(width > 0, width, torch.ones_like(width))
+
+
 @register
 class SULQReleasedQuantizer(MagnitudeQuantizer):
     """SULQ as I&S-ViT's released code computes it (``LogSqrt2Quantizer`` in zysxmu/IaS-ViT),
@@ -304,6 +311,10 @@ class SULQReleasedQuantizer(MagnitudeQuantizer):
 
     name = "sulq_released"
     description = "SULQ as I&S-ViT's released code computes it: shifted log2, integer exponents"
+    # The released code quantizes post-Softmax values only (log2 of a negative a + b is NaN
+    # there): unsigned, negatives clamp to 0, so every output is one of the listed levels.
+    defaults = {"granularity": "tensor", "signed": False}
+    choices = {"signed": (False,)}
 
     def _fit_mag(self, a: Tensor, amax: Tensor) -> dict[str, Tensor]:
         n = self.n_codes
@@ -312,7 +323,7 @@ class SULQReleasedQuantizer(MagnitudeQuantizer):
         for b in SULQ_RELEASED_SHIFTS:  # the code's loop: strictly better wins, ties keep the first
             y = _log2_released(a + b)
             hi, lo = y.max(1, keepdim=True).values, y.min(1, keepdim=True).values
-            step = (hi - lo) / (n - 1)
+            step = _positive(hi - lo) / (n - 1)
             c = torch.round((y - lo) / step).clamp(0, n - 1)
             xq = 2 ** torch.round(c * step + lo) - b
             err = (a - xq).abs().pow(2).mean(1)  # the code's lp_loss(x, x_q, reduction='all')
@@ -328,7 +339,7 @@ class SULQReleasedQuantizer(MagnitudeQuantizer):
     def _mag_levels(self, p: dict[str, Tensor]) -> Tensor:
         n = self.n_codes
         c = torch.arange(n + 1, dtype=torch.float32, device=p["shift"].device)[None]
-        step = ((p["hi"] - p["lo"]) / n)[:, None]
+        step = (_positive(p["hi"] - p["lo"]) / n)[:, None]
         return torch.sort(2 ** torch.round(c * step + p["lo"][:, None]) - p["shift"][:, None], 1).values
 
 
@@ -336,7 +347,7 @@ def sulq_released(a: Tensor, shift: Tensor, lo: Tensor, hi: Tensor, n: int, roun
     """The released forward, op for op; ``round_`` is plain rounding, or a straight-through
     rounding where a procedure trains through it (``ptq/ias.py``: the same ops, the same bits)."""
     y = _log2_released(a + shift)
-    step = (hi - lo) / n
+    step = _positive(hi - lo) / n
     c = torch.clamp(round_((y - lo) / step), 0, n)
     return 2 ** round_(c * step + lo) - shift
 
