@@ -158,7 +158,11 @@ def calibrate(qm: Any, images: torch.Tensor | list[torch.Tensor], progress: Prog
     x = torch.cat(images) if isinstance(images, list) else images
     iters = default_iters(qm.config)
     todo = [u for u in units(qm) if only is None or u in only]
-    total = 2 * iters * len(todo)
+    # a stage-1 unit with nothing quantized inside trains nothing (see below) and takes no time:
+    # its steps are left out of the count, or the ETA would be measured on steps that cost nothing
+    skip = {u for u in todo if not _active_sites(qm, u)}
+    plan = [(stage, u) for stage in (1, 3) for u in todo if not (stage == 1 and u in skip)]
+    total = iters * len(plan)
     gen = torch.Generator().manual_seed(qm.config.calibration.seed)
     fp_model = qm._fp[0]
     if progress:
@@ -173,8 +177,8 @@ def calibrate(qm: Any, images: torch.Tensor | list[torch.Tensor], progress: Prog
         if stage == 3:
             qm._reparameterize("mean")  # stage 2, the code's fold (RepQ-ViT's)
             qm._quantize_weights()
-        for ui, unit in enumerate(todo):
-            base = ((stage == 3) * len(todo) + ui) * iters
+        for unit in todo:
+            base = plan.index((stage, unit)) * iters if (stage, unit) in plan else 0
 
             def tick(it: int, base: int = base, unit: str = unit, stage: int = stage) -> None:
                 if cancel and cancel():
@@ -185,7 +189,7 @@ def calibrate(qm: Any, images: torch.Tensor | list[torch.Tensor], progress: Prog
             source = fp_model if stage == 1 else qm.model  # stage 1: float inputs; stage 3: quantized
             inputs = _block_tensors(source, unit, x, inputs=True)[0]
             targets = _block_tensors(fp_model, unit, x, inputs=False)[0]
-            if stage == 1 and not _active_sites(qm, unit):
+            if stage == 1 and unit in skip:
                 # nothing is quantized inside (the patch embedding: input float, weights not yet):
                 # the loss is exactly 0, every gradient 0 and Adam's step 0, so training changes
                 # nothing; only its minibatch draws are made, to keep the stream where the code's is
