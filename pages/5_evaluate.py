@@ -42,6 +42,7 @@ def evaluate_and_record(lm, cfg, data, n_eval, run):
     res = service.evaluate(lm, cfg, data, n_eval, run)
     rec = res.to_dict()
     rec.pop("site_sqnr_db")
+    rec.pop("quantizer_sqnr_db")
     return append_run(rec), res
 
 
@@ -60,11 +61,18 @@ def summary(rec):
     return ", ".join(parts)
 
 
+def sqnr_table(site, own):
+    """Both SQNRs of each site, worst against FP first (residual sites have no quantizer: empty)."""
+    names = sorted(site, key=site.get)
+    return pd.DataFrame({"site": names, "sqnr_vs_fp_db": [site[n] for n in names],
+                         "own_quantizer_sqnr_db": [own.get(n) for n in names]})
+
+
 def on_done(out):
     rec, res = out
     opts = options_label(rec.get("config"))
     s.eval_message = f"{rec['preset']} W{rec['wbits']}A{rec['abits']}{' ' + opts if opts else ''}: " + summary(rec)
-    s.last_sqnr = res.site_sqnr_db
+    s.last_sqnr = (res.site_sqnr_db, res.quantizer_sqnr_db)
 
 
 c1, c2 = st.columns(2)
@@ -75,8 +83,13 @@ if s.get("eval_message"):
     st.success(s.eval_message)
 
 if s.get("last_sqnr"):
-    with st.expander("Per-site output SQNR of the last run (dB)"):
-        chart_table(pd.DataFrame(sorted(s.last_sqnr.items(), key=lambda kv: kv[1]), columns=["site", "sqnr_db"]), "site-sqnr")
+    with st.expander("Per-site SQNR of the last run (dB)"):
+        st.caption("**against FP**: the quantized model's tensor at the site against the full-precision model's, so "
+                   "it carries every error made upstream (late sites read low even when their own quantizer is "
+                   "fine). **own quantizer**: the site's quantizer output against the tensor it was handed, its "
+                   "rounding alone (empty for sites that are observed, not quantized). A site low in the first "
+                   "column and high in the second is drift, not a coarse quantizer.")
+        chart_table(sqnr_table(*s.last_sqnr), "site-sqnr")
 
 key = data.key()
 hist = [r for r in load_history() if r.get("model") == lm.info.model_id

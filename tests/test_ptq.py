@@ -335,3 +335,21 @@ def test_eta_is_unknown_until_a_unit_has_been_timed():
     assert steps[-1].eta is not None and 3.0 < steps[-1].eta < 30.0  # ~0.05 s per unit, 98 left
     cb(100, 100, "")
     assert steps[-1].eta is None and "ETA" not in steps[-1].line()
+
+
+def test_quantizer_sqnr_is_each_quantizers_own_rounding(bundled):
+    """``site_sqnr_db`` carries upstream error, ``quantizer_sqnr_db`` only the site's own rounding.
+    The patch embedding's input is the first quantized tensor: there both see the same image, so
+    they must agree; every later quantizer is measured on the drifted tensor it really receives,
+    so 4 more bits of the same min/max grid buy it about 6 dB a bit, wherever it sits."""
+    r8, _ = run_eval(bundled, QuantConfig(preset="minmax", wbits=8, abits=8), n_eval=64)
+    r4, _ = run_eval(bundled, QuantConfig(preset="minmax", wbits=8, abits=4), n_eval=64)
+    first = "patch_embed.proj:input"
+    assert r8.quantizer_sqnr_db[first] == pytest.approx(r8.site_sqnr_db[first], abs=1e-9)
+    late = [k for k in r4.quantizer_sqnr_db if k.startswith(f"blocks.{len(bundled.model.blocks) - 1}.")]
+    assert late and set(r4.quantizer_sqnr_db) == set(r8.quantizer_sqnr_db)
+    for k in r4.quantizer_sqnr_db:
+        if k != first:  # the image input stays at 8 bits in every preset
+            assert r8.quantizer_sqnr_db[k] > r4.quantizer_sqnr_db[k] + 12, k
+    # drift: the last block's tensors are further from FP than their own quantizer makes them
+    assert all(r4.site_sqnr_db[k] < r4.quantizer_sqnr_db[k] for k in late if k in r4.site_sqnr_db)

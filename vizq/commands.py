@@ -242,9 +242,11 @@ def cmd_eval(a: argparse.Namespace) -> int:
             "q_top5", "agreement", "kl", "seconds_calibrate", "seconds_eval", "fake_quant_kernel"]
     row = {k: d[k] for k in keys if d[k] is not None}
     print_table([{**row, **d["metrics"]}])
-    worst = sorted(d["site_sqnr_db"].items(), key=lambda kv: kv[1])[:5]
-    if worst:
-        print("lowest site SQNR (dB): " + ", ".join(f"{k} {v:.1f}" for k, v in worst))
+    for key, what in (("site_sqnr_db", "lowest site SQNR against full precision, error accumulated up to the site"),
+                      ("quantizer_sqnr_db", "lowest quantizer SQNR, each quantizer on the tensor it was given")):
+        worst = sorted(d[key].items(), key=lambda kv: kv[1])[:5]
+        if worst:
+            print(f"{what} (dB): " + ", ".join(f"{k} {v:.1f}" for k, v in worst))
     report_skipped(res.skipped_files)
     write_json_out(a.json, d)
     return 0

@@ -104,6 +104,9 @@ class QuantizedModel(nn.Module):
         self.compensated: list[str] = []  # Linears whose stored float weight GPTQ changed (exports keep it)
         self.passthrough = False  # hooks change nothing (a procedure reading the float network)
         self._float_folded = False  # hooks only apply consumer-side folds (the GPTQ Gram pass)
+        # evaluation: called (site, the tensor a quantizer was handed, its output) on every quantized
+        # forward, so a quantizer's own rounding is measured apart from the error upstream of it
+        self.meter: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None
         self.info = loaded.info
         self.config = config
         self.sites: list[Site] = list(loaded.sites)
@@ -199,6 +202,8 @@ class QuantizedModel(nn.Module):
                     out = aq(x)
         else:
             out = aq(x)
+            if self.meter is not None:
+                self.meter(site.name, aq.folded(x), out)
         if site.kind == "v":
             self._stash[site.name] = out
         return self._straight_through(aq.folded(x), out) if self.ste else out

@@ -2,14 +2,19 @@
 
 Per batch both models run on the same images: top-1/top-5 where labels exist, label-free
 agreement (quantized top-1 == FP top-1), mean KL(FP ‖ quantized) of the output
-distributions, and per-site SQNR of the quantized model's tensors against the FP ones.
+distributions, and two SQNRs per site. ``site_sqnr_db`` compares the quantized model's tensor with the
+FP model's at the same site, so it carries every upstream error: late sites read low even when
+their own quantizer is fine. ``quantizer_sqnr_db`` compares each quantizer's output with the very
+tensor it was handed in that pass, its own rounding alone. The first says where the network has
+drifted, the second which quantizer is coarse; reading one as the other blames the wrong site.
 """
 from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -43,7 +48,8 @@ class EvalResult:
     kl: float | None
     seconds_calibrate: float
     seconds_eval: float
-    site_sqnr_db: dict[str, float] = field(default_factory=dict)
+    site_sqnr_db: dict[str, float] = field(default_factory=dict)  # against FP at the site: accumulated error
+    quantizer_sqnr_db: dict[str, float] = field(default_factory=dict)  # each quantizer on its own input
     skipped_images: int = 0  # calibration and evaluation files that could not be read
     skipped_files: list[str] = field(default_factory=list)  # "id: reason", calibration ones first
     config: dict[str, Any] = field(default_factory=dict)
@@ -63,8 +69,8 @@ class _Acc:
         self.fp1 = self.q1 = self.fp5 = self.q5 = 0
         self.agree = 0
         self.kl = 0.0
-        self.signal: dict[str, float] = {}
-        self.noise: dict[str, float] = {}
+        self.site = _Sums()  # quantized tensor against the FP model's (accumulated error)
+        self.own = _Sums()  # each quantizer's output against its own input (its rounding alone)
 
     def update(self, fp: torch.Tensor, q: torch.Tensor, y: torch.Tensor | None) -> None:
         self.n += fp.shape[0]
@@ -90,12 +96,43 @@ class _Acc:
         ints = sum_tensor(torch.tensor([self.n, self.labeled, self.fp1, self.q1, self.fp5, self.q5, self.agree],
                                        dtype=torch.int64), ctx).tolist()
         self.n, self.labeled, self.fp1, self.q1, self.fp5, self.q5, self.agree = ints
+        self.kl = float(sum_tensor(torch.tensor([self.kl], dtype=torch.float64), ctx))
+        self.site.reduce(ctx)
+        self.own.reduce(ctx)
+
+
+class _Sums:
+    """Per-site sums of signal and error energy (float64), reducible over ranks."""
+
+    def __init__(self) -> None:
+        self.signal: dict[str, float] = {}
+        self.noise: dict[str, float] = {}
+
+    def add(self, name: str, ref: torch.Tensor, x: torch.Tensor) -> None:
+        r = ref.detach().double()
+        self.signal[name] = self.signal.get(name, 0.0) + float(r.pow(2).sum())
+        self.noise[name] = self.noise.get(name, 0.0) + float((r - x.detach().double()).pow(2).sum())
+
+    def reduce(self, ctx: Context) -> None:
         names = sorted(set().union(*gather_objects(sorted(self.noise), ctx)))
-        floats = sum_tensor(torch.tensor([self.kl] + [self.signal.get(k, 0.0) for k in names]
+        floats = sum_tensor(torch.tensor([self.signal.get(k, 0.0) for k in names]
                                          + [self.noise.get(k, 0.0) for k in names], dtype=torch.float64), ctx).tolist()
-        self.kl = floats[0]
-        self.signal = dict(zip(names, floats[1:1 + len(names)]))
-        self.noise = dict(zip(names, floats[1 + len(names):]))
+        self.signal = dict(zip(names, floats[:len(names)]))
+        self.noise = dict(zip(names, floats[len(names):]))
+
+    def db(self) -> dict[str, float]:
+        return {k: (math.inf if n == 0 else 10 * math.log10(max(self.signal[k], 1e-30) / n)) for k, n in self.noise.items()}
+
+
+@contextmanager
+def _metered(qmodel: QuantizedModel, meter: Callable[[str, torch.Tensor, torch.Tensor], None] | None) -> Iterator[None]:
+    """Attach ``meter`` to the model's quantizers for one pass and detach it however the pass
+    ends (a cancel must not leave it counting)."""
+    qmodel.meter = meter
+    try:
+        yield
+    finally:
+        qmodel.meter = None
 
 
 @torch.no_grad()
@@ -121,14 +158,14 @@ def evaluate(loaded: LoadedModel, qmodel: QuantizedModel, images: ImageSet, indi
         ref = fp_tensors.get(site.name)
         if ref is None or ref.shape != x.shape:
             return
-        acc.signal[site.name] = acc.signal.get(site.name, 0.0) + float(ref.double().pow(2).sum())
-        acc.noise[site.name] = acc.noise.get(site.name, 0.0) + float((ref.double() - x.double()).pow(2).sum())
+        acc.site.add(site.name, ref, x)
 
     t0 = time.time()
     total = len(indices)
     if progress:
         progress(0, total, "")
-    with site_hooks(fp_model, watch, keep_fp), site_hooks(qmodel.model, watch, compare_q):
+    with site_hooks(fp_model, watch, keep_fp), site_hooks(qmodel.model, watch, compare_q), \
+            _metered(qmodel, acc.own.add if site_sqnr else None):
         for xb, yb, _ in loaded.iterate(images, indices, batch_size):
             if cancel and cancel():
                 raise Cancelled("evaluation cancelled; no result was written")
@@ -144,7 +181,6 @@ def evaluate(loaded: LoadedModel, qmodel: QuantizedModel, images: ImageSet, indi
     if acc.n == 0:
         images.skipped[:] = skipped
         raise none_readable(images, total_all, "evaluation images")
-    sqnr = {k: (math.inf if acc.noise[k] == 0 else 10 * math.log10(max(acc.signal[k], 1e-30) / acc.noise[k])) for k in acc.noise}
     cfg = qmodel.config
     return EvalResult(
         model=loaded.info.model_id, preset=cfg.preset, wbits=cfg.wbits, abits=cfg.abits,
@@ -152,7 +188,7 @@ def evaluate(loaded: LoadedModel, qmodel: QuantizedModel, images: ImageSet, indi
         fp_top1=acc.pct(acc.fp1), q_top1=acc.pct(acc.q1), fp_top5=acc.pct(acc.fp5), q_top5=acc.pct(acc.q5),
         agreement=100.0 * acc.agree / acc.n, kl=acc.kl / acc.n,
         seconds_calibrate=seconds_calibrate, seconds_eval=time.time() - t0,
-        site_sqnr_db=sqnr, skipped_images=len(skipped), skipped_files=skipped, config=cfg.to_dict(),
+        site_sqnr_db=acc.site.db(), quantizer_sqnr_db=acc.own.db(), skipped_images=len(skipped), skipped_files=skipped, config=cfg.to_dict(),
         fake_quant_kernel=native.kernel_for(device), machine=describe(device),
     )
 
