@@ -355,7 +355,7 @@ def test_quantizer_sqnr_is_each_quantizers_own_rounding(bundled):
     assert all(r4.site_sqnr_db[k] < r4.quantizer_sqnr_db[k] for k in late if k in r4.site_sqnr_db)
 
 
-def test_folded_layernorm_site_is_compared_in_the_folded_domain(bundled):
+def test_folded_layernorm_site_is_compared_in_the_folded_domain(tmp_path, bundled):
     """repq folds the per-channel post-LN ranges into the LayerNorm, so the quantized model holds
     x / r − δ there; against the unfolded FP tensor block 0's norm1 read 7 dB at W8A8 (its own
     quantizer: 40 dB). Mapped into the fold's domain, the error there is its rounding plus the little
@@ -363,3 +363,8 @@ def test_folded_layernorm_site_is_compared_in_the_folded_domain(bundled):
     r, qm = run_eval(bundled, QuantConfig(preset="repq", wbits=8, abits=8), n_eval=64)
     assert "blocks.0.norm1" in qm.folds
     assert r.site_sqnr_db["blocks.0.norm1"] > r.quantizer_sqnr_db["blocks.0.norm1"] - 6 > 25
+    # an export keeps no fold factors: reloaded, the same site must measure the same
+    export(qm, tmp_path / "x")
+    again, _ = run_eval(bundled, QuantConfig(preset="repq", wbits=8, abits=8), n_eval=64,
+                        qmodel=load_export(tmp_path / "x", bundled))
+    assert again.site_sqnr_db["blocks.0.norm1"] == pytest.approx(r.site_sqnr_db["blocks.0.norm1"], abs=1e-6)

@@ -124,6 +124,23 @@ class _Sums:
         return {k: (math.inf if n == 0 else 10 * math.log10(max(self.signal[k], 1e-30) / n)) for k, n in self.noise.items()}
 
 
+def _fold_factors(loaded: LoadedModel, qmodel: QuantizedModel, site: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(r, δ) where the quantized model carries ``site`` as x / r − δ (RepQ-ViT's fold), in float64.
+
+    A fold into the LayerNorm is read back from the two LayerNorms (γ' = γ / r, β' = β / r − δ),
+    so a model restored from an export or sent from rank 0, which keeps no factors, is measured
+    exactly as the freshly calibrated one; a consumer-side fold keeps its factors on the quantizer."""
+    if site.name not in qmodel.folds:
+        return None
+    aq = qmodel.acts[site.name]
+    if aq.ratio is not None:  # consumer-side: the quantizer's output is folded, the LayerNorm's is not
+        return None if site.port == "consumers" else (aq.ratio.double(), aq.delta.double())
+    fp, q = loaded.model.get_submodule(site.module), qmodel.model.get_submodule(site.module)
+    gq = q.weight.detach().double()
+    r = torch.where(gq == 0, torch.ones_like(gq), fp.weight.detach().double() / gq)
+    return r, fp.bias.detach().double() / r - q.bias.detach().double()
+
+
 @contextmanager
 def _metered(qmodel: QuantizedModel, meter: Callable[[str, torch.Tensor, torch.Tensor], None] | None) -> Iterator[None]:
     """Attach ``meter`` to the model's quantizers for one pass and detach it however the pass
@@ -158,13 +175,12 @@ def evaluate(loaded: LoadedModel, qmodel: QuantizedModel, images: ImageSet, indi
         ref = fp_tensors.get(site.name)
         if ref is None or ref.shape != x.shape:
             return
-        fold = qmodel.folds.get(site.name)
-        if fold is not None and (site.port != "consumers" or qmodel.acts[site.name].ratio is None):
-            # the quantized model carries this LayerNorm output as x / r − δ (the reparameterization):
-            # compare like with like, or a folded site reads as a 7 dB error at 8 bits
-            ref = ref.double() / fold.ratio.to(ref.device, torch.float64) - fold.delta.to(ref.device, torch.float64)
+        if site.name in folded:  # compare like with like, or a folded site reads as a 7 dB error at 8 bits
+            r, d = folded[site.name]
+            ref = ref.double() / r.to(ref.device) - d.to(ref.device)
         acc.site.add(site.name, ref, x)
 
+    folded = {s.name: f for s in watch if (f := _fold_factors(loaded, qmodel, s)) is not None}
     t0 = time.time()
     total = len(indices)
     if progress:
