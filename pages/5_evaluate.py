@@ -40,9 +40,7 @@ st.caption(f"This run will calibrate on {count(will.calib)} of the training spli
 
 def evaluate_and_record(lm, cfg, data, n_eval, run):
     res = service.evaluate(lm, cfg, data, n_eval, run)
-    rec = res.to_dict()
-    rec.pop("site_sqnr_db")
-    rec.pop("quantizer_sqnr_db")
+    rec = res.to_dict(per_site=False)
     return append_run(rec), res
 
 

@@ -114,10 +114,9 @@ def run_sweep(loaded: Any, jobs: list[Job], out: str | Path, data: str | None, n
             continue
         res = service.evaluate(loaded, job.config, data, n_eval, Run(ctx.device),
                                batch_size=job.config.calibration.batch_size)
-        rec = {**res.to_dict(), "job": job.id, "overrides": list(job.rules), "status": "done", "rank": ctx.rank}
-        atomic.write_json(path, rec)
-        hist = {k: v for k, v in rec.items() if k != "site_sqnr_db"}
-        append_run({**hist, "source": f"sweep:{out.name}"})
+        tags = {"job": job.id, "overrides": list(job.rules), "status": "done", "rank": ctx.rank}
+        atomic.write_json(path, {**res.to_dict(), **tags})
+        append_run({**res.to_dict(per_site=False), **tags, "source": f"sweep:{out.name}"})
         if log:
             log(f"[{i + 1}/{len(jobs)}] {job.id}: top-1 {res.q_top1}, agreement {res.agreement:.2f}%")
     dist.barrier(ctx)

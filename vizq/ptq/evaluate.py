@@ -58,8 +58,13 @@ class EvalResult:
     data: dict[str, Any] = field(default_factory=dict)  # DataSpec.record(): which samples were used
     machine: dict[str, Any] = field(default_factory=dict)  # device.describe(): where it was computed
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_dict(self, per_site: bool = True) -> dict[str, Any]:
+        """Everything; ``per_site=False`` leaves out the two per-site SQNR tables (one value per
+        site each), which the run history does not keep."""
+        d = asdict(self)
+        if not per_site:
+            del d["site_sqnr_db"], d["quantizer_sqnr_db"]
+        return d
 
 
 class _Acc:
