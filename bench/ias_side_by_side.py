@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 import sys
 import time
 import types
@@ -43,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 
 import torch
 
+from vizq.errors import VizqError
 from vizq.models import load_model
 from vizq.ptq import ias
 from vizq.ptq.config import QuantConfig
@@ -191,11 +193,18 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--images", type=int, default=468)
     a = ap.parse_args()
-    loaded = load_model(a.model)
-    cfg = QuantConfig(preset="ias-released", wbits=a.bits, abits=a.bits)
-    cfg.calibration.images, cfg.calibration.seed = a.calib, a.seed
-    x, _ = calibration_batch(loaded, cfg, a.data)
-    (units if a.check == "units" else main_run)(a, loaded, cfg, x)
+    if not (Path(a.code) / "test_quant.py").is_file():
+        ap.error(f"--code {a.code}: no test_quant.py there; give the top folder of a checkout of zysxmu/IaS-ViT")
+    if a.check == "units" and not re.fullmatch(r"blocks\.\d+", a.unit):
+        ap.error(f"--unit {a.unit!r}: give one ViT block, e.g. blocks.0 (the code's block reconstruction is compared)")
+    try:
+        loaded = load_model(a.model)
+        cfg = QuantConfig(preset="ias-released", wbits=a.bits, abits=a.bits)
+        cfg.calibration.images, cfg.calibration.seed = a.calib, a.seed
+        x, _ = calibration_batch(loaded, cfg, a.data)
+        (units if a.check == "units" else main_run)(a, loaded, cfg, x)
+    except VizqError as e:  # a bad --model, --data or --bits: vizq's own one-line message
+        ap.error(str(e))
 
 
 if __name__ == "__main__":
