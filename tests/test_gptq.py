@@ -213,3 +213,21 @@ def test_gptaq_model_rounds_each_linear_in_turn_and_reloads_bit_exactly(tmp_path
     # float network's later layers wrongly used the compensated weights; on this digits model GPTQ
     # alone does better (0.0160), on the real ViT-Ti GPTAQ does (README)
     assert float((out - ref).pow(2).mean()) < 0.7 * nearest
+
+
+def test_gptaq_block_by_block_rounds_exactly_as_forwards_from_the_image(bundled, monkeypatch):
+    """Running each block alone on its kept input is a shortcut, not a change: the weights equal,
+    bit for bit, those of reaching every layer by a forward from the image."""
+    calib, held_out, _ = _calib_held_out_and_float(bundled)
+    cfg = QuantConfig(preset="adalog", wbits=4, abits=4, gptq=True, gptaq=True)
+    with QuantizedModel(bundled, cfg) as fast:
+        assert fast._gptaq_blocks()  # the shortcut is taken on this model
+        fast.calibrate(calib)
+        monkeypatch.setattr(QuantizedModel, "_gptaq_blocks", lambda self: [])
+        with QuantizedModel(bundled, cfg) as slow:
+            slow.calibrate(calib)
+            assert fast.compensated == slow.compensated
+            for p in fast.compensated:
+                assert torch.equal(fast.fp_weights[p], slow.fp_weights[p]), p
+            with torch.no_grad():
+                assert torch.equal(fast(held_out), slow(held_out))

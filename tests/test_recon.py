@@ -224,3 +224,54 @@ def test_recon_loss_is_checked_and_needs_reconstruction():
     for text in (cfg.to_yaml(), cfg.to_json()):
         back = QuantConfig.from_text(text)
         assert back.recon_loss is ReconLoss.TOKEN and back == cfg
+
+
+def test_augmented_views_keep_the_images_first_and_reproduce_from_the_seed(bundled):
+    from vizq.ptq.views import augmented_views
+
+    x = calibration_batch(bundled, QuantConfig(**CFG, calibration={"images": 8}))[0]
+    a, b, c = (augmented_views(x, 3, s) for s in (0, 0, 1))
+    assert len(a) == 3 and all(v.shape == x.shape for v in a)
+    assert torch.equal(a[0], x)  # the user's images themselves come first
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    assert not torch.equal(a[1], c[1]) and not torch.equal(a[1], x)
+    with pytest.raises(ValueError, match="batch of images"):
+        augmented_views(x[0], 2, 0)
+
+
+def test_recon_views_are_checked_named_and_change_the_rounding(bundled, pair):
+    from vizq.ptq.config import ConfigError, options_label
+
+    with pytest.raises(ConfigError, match="recon_iters"):
+        QuantConfig(**CFG, recon_views=4)
+    with pytest.raises(ConfigError, match="recon_views"):
+        QuantConfig(**CFG, recon_iters=5, recon_views=0)
+    cfg = QuantConfig(**CFG, recon_iters=30, recon_views=3)
+    assert "3 views" in options_label(cfg.to_dict()) and QuantConfig.from_text(cfg.to_yaml()) == cfg
+    rec = calibrate(bundled, cfg).qmodel
+    assert any(not torch.equal(rec.fp_weights[p], pair[1].fp_weights[p]) for p in rec.recon_modules)
+    x = held_out(bundled)
+    with torch.no_grad():
+        fp = bundled.model(x).log_softmax(-1)
+        kl = [float((fp.exp() * (fp - q(x).log_softmax(-1))).sum(-1).mean()) for q in (pair[0], rec)]
+    assert kl[1] < kl[0], kl  # still a reconstruction that helps on images it never saw
+    rec.remove_hooks()
+
+
+def test_block_tensors_stop_at_the_block_and_match_a_full_forward(bundled):
+    x = calibration_batch(bundled, QuantConfig(**CFG, calibration={"images": 4}))[0]
+    last = list(bundled.model.children())[-1]
+    full, reached = [], []
+    h = bundled.model.get_submodule("blocks.1").register_forward_hook(lambda m, a, o: full.append(o))
+    tail = last.register_forward_hook(lambda m, a, o: reached.append(1))
+    try:
+        with torch.no_grad():
+            bundled.model(x)
+        assert reached == [1]
+        out = _block_tensors(bundled.model, "blocks.1", x, inputs=False)
+        inp = _block_tensors(bundled.model, "blocks.1", x, inputs=True)
+        assert reached == [1]  # neither forward went past blocks.1
+    finally:
+        h.remove()
+        tail.remove()
+    assert torch.equal(out[0], full[0]) and inp[0].shape == full[0].shape

@@ -170,6 +170,9 @@ def _ptq_args(p: argparse.ArgumentParser) -> None:
                    help="with --recon-iters: also learn the uniform activation quantizers' scales (LSQ, as BRECQ and QDrop do)")
     p.add_argument("--recon-batch", type=nonnegative("--recon-batch"), default=0,
                    help="with --recon-iters: calibration samples per step, drawn at random (seeded); 0: all of them every step")
+    p.add_argument("--recon-views", type=positive("--recon-views"), default=1,
+                   help="with --recon-iters: train on each calibration image and N-1 seeded random crops and flips of it "
+                        "(ranges and GPTQ still see the images alone); 1: the images only")
     p.add_argument("--recon-loss", choices=["mse", "token"], default="mse",
                    help="with --recon-iters: what each block minimises: mse (BRECQ/QDrop's summed squared error) or "
                         "token (each token's error relative to its float mean square, so massive activations do not "
@@ -201,7 +204,7 @@ def config_from_args(a: argparse.Namespace):  # noqa: ANN201
         with opened(a.config) as path:  # a config file, an export folder, or an export's zip
             return QuantConfig.load(path)
     return QuantConfig(preset=a.preset, wbits=a.wbits, abits=a.abits, overrides=overrides_from_rules(a.override),
-                       recon_iters=a.recon_iters, recon_scales=a.recon_scales, recon_batch=a.recon_batch,
+                       recon_iters=a.recon_iters, recon_scales=a.recon_scales, recon_batch=a.recon_batch, recon_views=a.recon_views,
                        recon_loss=a.recon_loss, gptq=a.gptq,
                        gptq_act_order=a.gptq_act_order, gptaq=a.gptaq, ias_iters=a.ias_iters,
                        **({} if a.gptq_damp is None else {"gptq_damp": a.gptq_damp}),

@@ -116,6 +116,9 @@ class QuantConfig:
     recon_scales: bool = False  # reconstruction also learns uniform activation scales (LSQ)
     recon_batch: int = 0  # samples per reconstruction step, drawn at random; 0: every calibration sample
     recon_loss: ReconLoss = ReconLoss.MSE  # what reconstruction minimises (ReconLoss)
+    #: reconstruction trains on each calibration image and recon_views − 1 seeded random crops and
+    #: flips of it (ptq/views.py); ranges and GPTQ still see the images alone. 1: the images only
+    recon_views: int = 1
     gptq: bool = False  # weights rounded with GPTQ's error compensation on the float calibration inputs (ptq/gptq.py)
     gptq_act_order: bool = False  # with gptq: columns rounded by decreasing input energy (GPTQ's act order)
     gptaq: bool = False  # with gptq: GPTAQ's asymmetric target, the float layer on the float inputs (ptq/gptq.py)
@@ -158,6 +161,10 @@ class QuantConfig:
             raise ConfigError(f"recon_iters must be a non-negative integer, got {self.recon_iters!r}")
         if not isinstance(self.recon_batch, int) or isinstance(self.recon_batch, bool) or self.recon_batch < 0:
             raise ConfigError(f"recon_batch must be a non-negative integer (0: every calibration sample), got {self.recon_batch!r}")
+        if not isinstance(self.recon_views, int) or isinstance(self.recon_views, bool) or self.recon_views < 1:
+            raise ConfigError(f"recon_views must be a positive integer (1: the calibration images alone), got {self.recon_views!r}")
+        if self.recon_views > 1 and not self.recon_iters:
+            raise ConfigError("recon_views adds augmented views for block reconstruction; set recon_iters > 0 too")
         if not isinstance(self.recon_scales, bool):
             raise ConfigError(f"recon_scales must be true or false, got {self.recon_scales!r}")
         if not isinstance(self.recon_loss, ReconLoss):
@@ -289,6 +296,8 @@ def options_label(config: dict[str, Any] | None) -> str:
             parts.append("LSQ")
         if config.get("recon_batch"):
             parts.append(f"batch {config['recon_batch']}")
+        if config.get("recon_views", 1) > 1:
+            parts.append(f"{config['recon_views']} views")
         if config.get("recon_loss", ReconLoss.MSE.value) != ReconLoss.MSE.value:
             parts.append(f"{config['recon_loss']} loss")
     if config.get("ias_iters"):

@@ -24,6 +24,7 @@ from ..quant import Quantizer, QuantizerError, get_quantizer
 from ..quant.step import STEP_FAMILIES, StepFunction
 from ..sites import Site
 from . import gptq
+from .reach import call_of
 from .config import QuantConfig
 from .catalog import Procedure
 from .presets import OUTPUT_SCORED, PRESETS, Spec, check_modality, plan, reparam_mode
@@ -292,7 +293,8 @@ class QuantizedModel(nn.Module):
             self.recon_modules = reconstruct(self, self._fp[0], batches if len(batches) > 1 else batches[0],
                                              self.config.recon_iters, progress=recon_progress or progress,
                                              cancel=cancel, learn_scales=self.config.recon_scales,
-                                             batch=self.config.recon_batch, loss=self.config.recon_loss)
+                                             batch=self.config.recon_batch, loss=self.config.recon_loss,
+                                             views=self.config.recon_views)
         for aq in self.acts.values():
             aq._last = (None, None)
         self.calibrated = True
@@ -428,24 +430,52 @@ class QuantizedModel(nn.Module):
         return [p for p, q in self.weights.items()
                 if isinstance(self.model.get_submodule(p), nn.Linear) and gptq.supports(q)]
 
+    def _gptaq_blocks(self) -> list[str]:
+        """The residual blocks GPTAQ runs alone on their kept input: those with no quantization
+        hook on the block module itself (that hook would see the kept, already hooked input again)."""
+        hooked = {s.module for s in self._hook_sites()}
+        return [s.module for s in self.sites if s.kind == "residual" and s.module not in hooked]
+
     def _quantize_weights_gptaq(self, batches: list[torch.Tensor]) -> None:
         """GPTAQ (``QuantConfig.gptaq``): the Linears are rounded one at a time in network order,
         each on the inputs the quantized network now feeds it (activations rounded, every earlier
         weight already compensated), against the float network's output on its own inputs — so a
         layer also makes up for what upstream quantization did to its input (ptq/gptq.py). Both
-        inputs are read batch by batch with forwards that stop at the layer: two [in, in]
-        matrices per layer are all that is kept, whatever the calibration set's size."""
+        inputs are read batch by batch: two [in, in] matrices per layer are all that is kept,
+        whatever the calibration set's size.
+
+        Why block by block: a layer inside a residual block is reached by running that block alone
+        on its input, which is read once per block (both networks) and kept, instead of running the
+        network from the image for each of the block's layers. The layers see the same tensors
+        either way; only the repeated prefix forwards go (tests: the same weights bit for bit)."""
         self._quantize_weights()  # nearest on the folded weights; each Linear is then replaced in turn
         self.compensated = []
         originals = dict(self.fp_weights)  # the float network stays the uncompensated one throughout
+        blocks = self._gptaq_blocks()
+        cached: tuple[str | None, list[Any]] = (None, [])
         for path in self._gptaq_layers():
             q, mod = self.weights[path], self.model.get_submodule(path)
+            block = next((b for b in blocks if path.startswith(b + ".")), None)
+            if block is not None and cached[0] != block:  # each batch's block call in both networks
+                calls = []
+                for b in batches:
+                    with self._float_network(originals):
+                        fcall = call_of(self.model, block, b)
+                    calls.append((fcall, call_of(self.model, block, b)))
+                cached = (block, calls)
             h = torch.zeros(mod.in_features, mod.in_features, dtype=torch.float64)
             cross = torch.zeros_like(h)
-            for b in batches:
-                with self._float_network(originals):
-                    x = gptq.input_of(self.model, path, b)
-                xq = gptq.input_of(self.model, path, b)
+            for i, b in enumerate(batches):
+                if block is None:
+                    with self._float_network(originals):
+                        x = gptq.input_of(self.model, path, b)
+                    xq = gptq.input_of(self.model, path, b)
+                else:
+                    (fa, fk), (qa, qk) = cached[1][i]
+                    sub, rel = self.model.get_submodule(block), path[len(block) + 1:]
+                    with self._float_network(originals):
+                        x = gptq.input_of(sub, rel, *fa, **fk)
+                    xq = gptq.input_of(sub, rel, *qa, **qk)
                 h += xq.T @ xq
                 cross += (x - xq).T @ xq
             w = self.fp_weights[path]

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..quant import Quantizer
 from .config import GPTQ_DAMP
+from .reach import call_of
 
 Tensor = torch.Tensor
 #: λ = DAMP · mean(diag XᵀX) by default (QuantConfig.gptq_damp): keeps the inverse finite where
@@ -130,27 +131,8 @@ def compensate(weight: Tensor, gram: Tensor, q: Quantizer, damp: float = DAMP, a
     return w[:, torch.argsort(order)].to(weight.dtype)
 
 
-class _Reached(Exception):
-    """Ends a forward once the layer whose input is wanted has been reached."""
-
-
-@torch.no_grad()
-def input_of(model: nn.Module, path: str, batch: Tensor) -> Tensor:
-    """The input ``path`` receives on ``batch`` ([tokens, in], float64); the forward stops there,
-    so the later layers cost nothing."""
-    got: list[Tensor] = []
-
-    def hook(m: nn.Module, args: tuple) -> None:
-        got.append(args[0].detach().reshape(-1, args[0].shape[-1]).double())
-        raise _Reached
-
-    handle = model.get_submodule(path).register_forward_pre_hook(hook)
-    try:
-        model(batch)
-    except _Reached:
-        pass
-    finally:
-        handle.remove()
-    if not got:
-        raise RuntimeError(f"{path} was not reached by the forward pass")
-    return got[0]
+def input_of(model: nn.Module, path: str, *args, **kwargs) -> Tensor:
+    """The input ``path`` receives ([tokens, in], float64) when ``model`` runs on ``args``; the
+    forward stops there, so the later layers cost nothing."""
+    x = call_of(model, path, *args, **kwargs)[0][0]
+    return x.detach().reshape(-1, x.shape[-1]).double()

@@ -23,7 +23,9 @@ from torch import nn
 
 from ..capture import Cancelled
 from ..quant import Quantizer
-from .config import ReconLoss
+from .config import ConfigError, ReconLoss
+from .reach import call_of, output_of
+from .views import augmented_views
 
 Progress = Callable[[int, int, str], None]
 
@@ -140,21 +142,11 @@ class LearnedRounding:
 
 
 def _block_tensors(model: nn.Module, path: str, x: torch.Tensor | list[torch.Tensor], inputs: bool) -> list[torch.Tensor]:
-    """Block ``path``'s input (or output) for each calibration batch."""
-    seen: list[torch.Tensor] = []
-    block = model.get_submodule(path)
-
-    def grab(t: Any) -> None:
+    """Block ``path``'s input (or output) for each calibration batch; each forward stops at the block."""
+    seen = []
+    for b in x if isinstance(x, list) else [x]:
+        t = call_of(model, path, b)[0][0] if inputs else output_of(model, path, b)
         seen.append((t[0] if isinstance(t, tuple) else t).detach())
-
-    h = (block.register_forward_pre_hook(lambda m, a: grab(a)) if inputs
-         else block.register_forward_hook(lambda m, a, o: grab(o)))
-    try:
-        with torch.no_grad():
-            for b in x if isinstance(x, list) else [x]:
-                model(b)
-    finally:
-        h.remove()
     return seen
 
 
@@ -239,11 +231,13 @@ def _train_block(qm: Any, path: str, rounding: dict[str, LearnedRounding], scale
 
 def reconstruct(qm: Any, fp_model: nn.Module, calib: torch.Tensor | list[torch.Tensor], iters: int,
                 progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
-                learn_scales: bool = False, batch: int = 0, loss: ReconLoss = ReconLoss.MSE) -> list[str]:
+                learn_scales: bool = False, batch: int = 0, loss: ReconLoss = ReconLoss.MSE,
+                views: int = 1) -> list[str]:
     """Re-round every block's weights in network order; returns the Linear modules changed.
     With ``learn_scales`` the block's uniform activation scales are trained too (their new
     values are the calibrated state afterwards, so exports carry them); ``loss`` is what each
-    block minimises (``ReconLoss``).
+    block minimises (``ReconLoss``); ``views`` > 1 trains on that many seeded crops and flips of
+    each calibration image (the image itself first; ptq/views.py).
 
     Progress counts steps over all blocks; cancelling stops at the next step and nothing of the
     calibration is kept by the caller."""
@@ -251,6 +245,11 @@ def reconstruct(qm: Any, fp_model: nn.Module, calib: torch.Tensor | list[torch.T
     plan = {b: [p for p in qm.weights if p.startswith(b + ".") and qm.weights[p].name in GRIDS] for b in blocks}
     plan = {b: ps for b, ps in plan.items() if ps}
     total = iters * len(plan)
+    if views > 1:
+        if not isinstance(calib, torch.Tensor) or calib.dim() != 4:
+            raise ConfigError("recon_views augments images: this model's calibration data are not one batch of images; "
+                             "set recon_views to 1")
+        calib = augmented_views(calib, views, qm.config.calibration.seed)
     changed: list[str] = []
     if progress:
         progress(0, total, "")
