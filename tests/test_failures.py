@@ -269,6 +269,10 @@ def test_bugs_are_not_shown_as_user_errors(monkeypatch):
     ('{"method": "minmax", "recon_iters": 10, "recon_loss": "l1"}', "recon_loss"),
     ('{"method": "minmax", "recon_iters": 10, "recon_loss": 2}', "recon_loss"),
     ('{"method": "minmax", "recon_iters": 10, "recon_loss": ["token"]}', "recon_loss"),
+    ('{"method": "minmax", "recon_iters": 10, "recon_views": 0}', "recon_views"),
+    ('{"method": "minmax", "recon_iters": 10, "recon_views": 2.0}', "recon_views"),
+    ('{"method": "minmax", "recon_iters": 10, "range_images": -3}', "range_images"),
+    ('{"method": "minmax", "recon_iters": 10, "range_images": 64}', "range_images"),
 ])
 def test_config_types_are_checked_by_key(text, key):
     with pytest.raises(ConfigError, match=key):
@@ -350,3 +354,14 @@ def test_a_zip_that_is_not_an_export_is_one_clear_line(capsys, tmp_path):
         code, _, err = cli(capsys, "eval", "--config", str(path), "--images", "10")
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path.parent / "x").exists()  # nothing was extracted outside
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--recon-iters", "5", "--range-calib", "16"], ["range_images (16)", "8 calibration images"]),
+    (["--range-calib", "4"], ["range_images", "recon_iters"]),
+    (["--recon-views", "3"], ["recon_views", "recon_iters"]),
+    (["--recon-views", "0"], ["--recon-views"]),
+])
+def test_reconstruction_data_options_are_one_line_errors(capsys, args, words):
+    code, _, err = cli(capsys, "eval", "--preset", "minmax", *FAST, "--images", "8", *args)
+    one_line_error(code, err, *words)

@@ -275,3 +275,31 @@ def test_block_tensors_stop_at_the_block_and_match_a_full_forward(bundled):
         h.remove()
         tail.remove()
     assert torch.equal(out[0], full[0]) and inp[0].shape == full[0].shape
+
+
+def test_range_images_set_the_ranges_and_reconstruction_trains_on_all(bundled):
+    """With range_images = 8 of 16: every activation range is the one 8 images give, and the
+    re-rounding differs from reconstructing on those 8 alone (it saw the other 8 too)."""
+    from vizq.ptq.config import ConfigError, options_label
+
+    with pytest.raises(ConfigError, match="recon_iters"):
+        QuantConfig(**CFG, range_images=8, calibration={"images": 16})
+    with pytest.raises(ConfigError, match="at most calibration.images"):
+        QuantConfig(**CFG, recon_iters=5, range_images=32, calibration={"images": 16})
+    images = calibration_batch(bundled, QuantConfig(**CFG, calibration={"images": 16}))[0]
+    split = QuantConfig(**CFG, recon_iters=10, range_images=8, calibration={"images": 16})
+    assert "ranges on 8" in options_label(split.to_dict()) and QuantConfig.from_text(split.to_yaml()) == split
+    runs = {}
+    for name, cfg, x in (("split", split, images), ("eight", QuantConfig(**CFG, recon_iters=10, calibration={"images": 8}), images[:8]),
+                         ("all", QuantConfig(**CFG, recon_iters=10, calibration={"images": 16}), images)):
+        runs[name] = QuantizedModel(bundled, cfg).calibrate(x)
+    a, b, c = runs["split"], runs["eight"], runs["all"]
+    for n, aq in a.acts.items():
+        for k, v in aq.q.state.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, b.acts[n].q.state[k]), (n, k)
+    assert any(not torch.equal(a.acts[n].q.state[k], v) for n, aq in c.acts.items()
+               for k, v in aq.q.state.items() if isinstance(v, torch.Tensor))  # 16 images give other ranges
+    assert any(not torch.equal(a.fp_weights[p], b.fp_weights[p]) for p in a.recon_modules)
+    for m in runs.values():
+        m.remove_hooks()

@@ -173,6 +173,9 @@ def _ptq_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recon-views", type=positive("--recon-views"), default=1,
                    help="with --recon-iters: train on each calibration image and N-1 seeded random crops and flips of it "
                         "(ranges and GPTQ still see the images alone); 1: the images only")
+    p.add_argument("--range-calib", type=nonnegative("--range-calib"), default=0, metavar="N",
+                   help="with --recon-iters: only the first N of the --calib images set the ranges, AdaLog's bases, the "
+                        "post-LN fold and GPTQ; reconstruction trains on all of them (0: everything on all)")
     p.add_argument("--recon-loss", choices=["mse", "token"], default="mse",
                    help="with --recon-iters: what each block minimises: mse (BRECQ/QDrop's summed squared error) or "
                         "token (each token's error relative to its float mean square, so massive activations do not "
@@ -204,7 +207,7 @@ def config_from_args(a: argparse.Namespace):  # noqa: ANN201
         with opened(a.config) as path:  # a config file, an export folder, or an export's zip
             return QuantConfig.load(path)
     return QuantConfig(preset=a.preset, wbits=a.wbits, abits=a.abits, overrides=overrides_from_rules(a.override),
-                       recon_iters=a.recon_iters, recon_scales=a.recon_scales, recon_batch=a.recon_batch, recon_views=a.recon_views,
+                       recon_iters=a.recon_iters, recon_scales=a.recon_scales, recon_batch=a.recon_batch, recon_views=a.recon_views, range_images=a.range_calib,
                        recon_loss=a.recon_loss, gptq=a.gptq,
                        gptq_act_order=a.gptq_act_order, gptaq=a.gptaq, ias_iters=a.ias_iters,
                        **({} if a.gptq_damp is None else {"gptq_damp": a.gptq_damp}),

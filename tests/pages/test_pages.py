@@ -130,6 +130,7 @@ def test_gptq_and_reconstruction_are_choices_on_evaluate_and_history_says_they_w
     assert at.checkbox(key="cfg-rscales").disabled  # nothing to learn scales in until steps are set
     assert at.selectbox(key="cfg-rloss").disabled  # nor a loss to choose
     assert at.number_input(key="cfg-rviews").disabled  # nor views to train on
+    assert at.number_input(key="cfg-rranges").disabled  # nor images kept for it alone
     assert not at.checkbox(key="cfg-gptq").disabled  # repq, the default preset: an integer grid
     at.number_input(key="cfg-calib").set_value(4).run()  # what is checked is the record, not the accuracy
     assert at.checkbox(key="cfg-gptq-order").disabled  # act order orders GPTQ's rounding: off without it
@@ -143,19 +144,20 @@ def test_gptq_and_reconstruction_are_choices_on_evaluate_and_history_says_they_w
     at.checkbox(key="cfg-rscales").check().run()
     at.selectbox(key="cfg-rloss").set_value("token").run()
     at.number_input(key="cfg-rviews").set_value(2).run()
+    at.number_input(key="cfg-rranges").set_value(2).run()
     at.number_input[-1].set_value(20)
     next(b for b in at.button if b.label == "Run evaluation").click().run()
     _wait(at, lambda a: any("agreement" in s.value for s in a.success))
     msg = next(s.value for s in at.success if "agreement" in s.value)
-    assert "+gptaq act order damp 0.1 · +recon 20 · LSQ · 2 views · token loss" in msg, msg
+    assert "+gptaq act order damp 0.1 · +recon 20 · LSQ · ranges on 2 · 2 views · token loss" in msg, msg
     from vizq.runs import load_history
 
     cfg = load_history()[-1]["config"]
     assert cfg["recon_iters"] == 20 and cfg["recon_scales"] is True and cfg["recon_batch"] == 0 and cfg["gptq"] is True
-    assert cfg["recon_loss"] == "token" and cfg["recon_views"] == 2
+    assert cfg["recon_loss"] == "token" and cfg["recon_views"] == 2 and cfg["range_images"] == 2
     assert cfg["gptq_act_order"] is True and cfg["gptaq"] is True and cfg["gptq_damp"] == 0.1
     table = next(df.value for df in at.dataframe if "options" in df.value.columns)
-    assert list(table["options"]) == ["+gptaq act order damp 0.1 · +recon 20 · LSQ · 2 views · token loss"]
+    assert list(table["options"]) == ["+gptaq act order damp 0.1 · +recon 20 · LSQ · ranges on 2 · 2 views · token loss"]
 
 
 def test_ias_released_offers_its_steps_not_a_second_reconstruction(app):

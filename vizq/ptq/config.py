@@ -119,6 +119,12 @@ class QuantConfig:
     #: reconstruction trains on each calibration image and recon_views − 1 seeded random crops and
     #: flips of it (ptq/views.py); ranges and GPTQ still see the images alone. 1: the images only
     recon_views: int = 1
+    #: with reconstruction: only the first range_images calibration samples set what is computed
+    #: in closed form (activation ranges, AdaLog's bases, the post-LN fold, GPTQ), and block
+    #: reconstruction trains on all of them; 0: every step sees every sample. Why: on the real
+    #: ViT-Ti at W4A4 the gain of more calibration images is mostly the reconstruction's, while
+    #: their cost is mostly the searches' (README: "More calibration images")
+    range_images: int = 0
     gptq: bool = False  # weights rounded with GPTQ's error compensation on the float calibration inputs (ptq/gptq.py)
     gptq_act_order: bool = False  # with gptq: columns rounded by decreasing input energy (GPTQ's act order)
     gptaq: bool = False  # with gptq: GPTAQ's asymmetric target, the float layer on the float inputs (ptq/gptq.py)
@@ -165,6 +171,13 @@ class QuantConfig:
             raise ConfigError(f"recon_views must be a positive integer (1: the calibration images alone), got {self.recon_views!r}")
         if self.recon_views > 1 and not self.recon_iters:
             raise ConfigError("recon_views adds augmented views for block reconstruction; set recon_iters > 0 too")
+        if not isinstance(self.range_images, int) or isinstance(self.range_images, bool) or self.range_images < 0:
+            raise ConfigError(f"range_images must be a non-negative integer (0: every calibration sample), got {self.range_images!r}")
+        if self.range_images and not self.recon_iters:
+            raise ConfigError("range_images keeps the other calibration samples for block reconstruction; set recon_iters > 0 too")
+        if self.range_images > self.calibration.images:
+            raise ConfigError(f"range_images ({self.range_images}) is more than the {self.calibration.images} calibration "
+                              "images; use at most calibration.images")
         if not isinstance(self.recon_scales, bool):
             raise ConfigError(f"recon_scales must be true or false, got {self.recon_scales!r}")
         if not isinstance(self.recon_loss, ReconLoss):
@@ -296,6 +309,8 @@ def options_label(config: dict[str, Any] | None) -> str:
             parts.append("LSQ")
         if config.get("recon_batch"):
             parts.append(f"batch {config['recon_batch']}")
+        if config.get("range_images"):
+            parts.append(f"ranges on {config['range_images']}")
         if config.get("recon_views", 1) > 1:
             parts.append(f"{config['recon_views']} views")
         if config.get("recon_loss", ReconLoss.MSE.value) != ReconLoss.MSE.value:

@@ -25,7 +25,7 @@ from ..quant.step import STEP_FAMILIES, StepFunction
 from ..sites import Site
 from . import gptq
 from .reach import call_of
-from .config import QuantConfig
+from .config import ConfigError, QuantConfig
 from .catalog import Procedure
 from .presets import OUTPUT_SCORED, PRESETS, Spec, check_modality, plan, reparam_mode
 from .reparam import Fold, apply_fold, fold_factors
@@ -274,6 +274,12 @@ class QuantizedModel(nn.Module):
         one batch): each activation quantizer in turn collects its input over all batches,
         with the quantizers before it already calibrated and applied, then calibrates.
         """
+        recon_images = images
+        if self.config.range_images:  # the rest are for reconstruction only (QuantConfig.range_images)
+            if not isinstance(images, torch.Tensor):
+                raise ConfigError("range_images splits one batch of images; this model's calibration data are "
+                                  "batches of text: set range_images to 0")
+            images = images[:self.config.range_images]
         batches = images if isinstance(images, list) else [images]
         procedure = PRESETS[self.config.preset].procedure
         if procedure is Procedure.PTQ4VIT:
@@ -290,6 +296,8 @@ class QuantizedModel(nn.Module):
         if self.config.recon_iters:
             from .recon import reconstruct
 
+            if self.config.range_images:
+                batches = [recon_images]
             self.recon_modules = reconstruct(self, self._fp[0], batches if len(batches) > 1 else batches[0],
                                              self.config.recon_iters, progress=recon_progress or progress,
                                              cancel=cancel, learn_scales=self.config.recon_scales,
