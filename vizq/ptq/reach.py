@@ -17,44 +17,36 @@ class _Reached(Exception):
 
 
 @torch.no_grad()
+def _run_until(model: nn.Module, path: str, register: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """Run ``model`` with ``register(module, got)`` hooking submodule ``path``; the hook appends
+    what it wants to ``got`` and raises :class:`_Reached`."""
+    got: list[Any] = []
+    handle = register(model.get_submodule(path), got)
+    try:
+        model(*args, **kwargs)
+    except _Reached:
+        pass
+    finally:
+        handle.remove()
+    if not got:
+        raise RuntimeError(f"{path} was not reached by the forward pass")
+    return got[0]
+
+
+def _stop(got: list[Any], value: Any) -> None:
+    got.append(value)
+    raise _Reached
+
+
 def call_of(model: nn.Module, path: str, *args: Any, **kwargs: Any) -> tuple[tuple, dict[str, Any]]:
     """The positional and keyword arguments submodule ``path`` is called with when ``model``
     runs on ``args``/``kwargs``; nothing after it runs."""
-    got: list[tuple[tuple, dict[str, Any]]] = []
-
-    def hook(m: nn.Module, a: tuple, kw: dict[str, Any]) -> None:
-        got.append((a, dict(kw)))
-        raise _Reached
-
-    handle = model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        model(*args, **kwargs)
-    except _Reached:
-        pass
-    finally:
-        handle.remove()
-    if not got:
-        raise RuntimeError(f"{path} was not reached by the forward pass")
-    return got[0]
+    return _run_until(model, path, lambda mod, got: mod.register_forward_pre_hook(
+        lambda m, a, kw: _stop(got, (a, dict(kw))), with_kwargs=True), args, kwargs)
 
 
-@torch.no_grad()
 def output_of(model: nn.Module, path: str, *args: Any, **kwargs: Any) -> Any:
     """What submodule ``path`` returns when ``model`` runs on ``args``/``kwargs``; nothing after
     it runs."""
-    got: list[Any] = []
-
-    def hook(m: nn.Module, a: tuple, out: Any) -> None:
-        got.append(out)
-        raise _Reached
-
-    handle = model.get_submodule(path).register_forward_hook(hook)
-    try:
-        model(*args, **kwargs)
-    except _Reached:
-        pass
-    finally:
-        handle.remove()
-    if not got:
-        raise RuntimeError(f"{path} was not reached by the forward pass")
-    return got[0]
+    return _run_until(model, path, lambda mod, got: mod.register_forward_hook(
+        lambda m, a, out: _stop(got, out)), args, kwargs)

@@ -105,23 +105,22 @@ def config_form(modality: str, prefix: str = "cfg") -> QuantConfig:
                           "(over 90 % of the residual's energy from block 7 of ViT-Ti on) do not outweigh every "
                           "ordinary token. Measured on ViT-Ti W4A4 after GPTAQ (README): no effect beyond float-order "
                           "noise, five-set mean 66.32 % against 66.41 % with mse")
-        ranges = 0
-        if modality == "image":
-            ranges = kept(st.columns([1, 2])[0].number_input, "Range images (0: all)", f"{prefix}-rranges", 0,
+        ranges, views = 0, 1
+        if modality == "image":  # both split or augment a batch of images
+            v1, v2 = st.columns(2)
+            ranges = kept(v1.number_input, "Range images (0: all)", f"{prefix}-rranges", 0,
                           min_value=0, max_value=1024, disabled=not iters,
                           help="only the first N calibration images set the ranges, AdaLog's bases, the post-LN "
                                "fold and GPTQ; reconstruction trains on all of them, so more images cost little "
                                "more than the reconstruction. Measured on ViT-Ti W4A4 (README): 32 for ranges "
                                "and 128 for reconstruction gave 70.43 % on set 0 against 66.67 % with 32 and "
                                "71.51 % with 128 for everything")
-        views = 1
-        if modality == "image":
-            views = kept(st.columns([1, 2])[0].number_input, "Views per image (1: the images only)", f"{prefix}-rviews", 1,
+            views = kept(v2.number_input, "Views per image (1: the images only)", f"{prefix}-rviews", 1,
                          min_value=1, max_value=16, disabled=not iters,
                          help="reconstruction also trains on seeded random crops and mirror images of each "
                               "calibration image (ranges and GPTQ still see the images alone); with samples per "
                               "step set, a step costs the same. Measured on ViT-Ti W4A4 after GPTAQ (README): "
-                              "4 views, set 0, +0.64 points")
+                              "4 views, set 0, +0.64 points, within float-order noise")
     return QuantConfig(preset=method, wbits=int(wbits), abits=int(abits), overrides=overrides,
                        recon_iters=int(iters), recon_scales=bool(scales and iters), recon_batch=int(rbatch),
                        recon_views=int(views) if iters else 1,
