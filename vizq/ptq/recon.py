@@ -31,7 +31,10 @@ Progress = Callable[[int, int, str], None]
 
 #: AdaRound's stretched sigmoid: h(V) = clamp(σ(V)·(ζ − γ) + γ, 0, 1) reaches 0 and 1 exactly.
 ZETA, GAMMA = 1.1, -0.1
-LR = 1e-3  # Adam on the rounding variables (AdaRound/BRECQ's default)
+#: Adam on the rounding variables (AdaRound/BRECQ's default). At a few hundred steps it lets only
+#: near-ties change their rounding, which also keeps 32 images from overfitting them: 1e-2 freed a
+#: quarter of the roundings and cost 12-16 points on ViT-Ti W4A4 (README, under the targets)
+LR = 1e-3
 REG_WEIGHT = 0.01  # rounding regulariser against the block's summed squared error (BRECQ's default)
 WARMUP = 0.2  # the first fifth of the steps fits the output with no pull towards 0 or 1
 BETA = (20.0, 2.0)  # the regulariser's exponent, annealed linearly after the warm-up
